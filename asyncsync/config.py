@@ -1,0 +1,159 @@
+"""``WeightSyncConfig``: every knob of a sync, loadable from YAML, validated with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from asyncsync.plan import DEFAULT_BUCKET_BYTES
+
+ENGINE_KINDS = ("reference", "vllm", "sglang")
+DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+def parse_bytes(value: int | str, key: str) -> int:
+    """``536870912``, ``"512MiB"`` or ``"0.5 GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte size such as 536870912 or '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ConfigError(f"{key}: expected a byte size such as 536870912 or '512MiB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One inference server: its kind, its control URL and an optional bearer token."""
+
+    url: str
+    kind: str = "reference"
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ConfigError(f"servers[].kind: {self.kind!r} is not one of {list(ENGINE_KINDS)}")
+        if not re.match(r"^https?://[^/\s]+", self.url):
+            raise ConfigError(f"servers[].url: {self.url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each kind of wait may take before the server involved is considered failed."""
+
+    rendezvous_s: float = 60.0
+    collective_s: float = 120.0
+    http_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"deadlines.{f.name}: must be a positive number of seconds, got {v!r}")
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """How weights travel from the trainer to its servers. See ``configs/default.yaml`` for every field."""
+
+    async_weight_update: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    backend: str = "auto"
+    pack_backend: str = "auto"
+    checksum: bool = True
+    max_staleness: int = 1
+    servers: tuple[ServerConfig, ...] = ()
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    group_name: str = "asyncsync"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.async_weight_update, bool):
+            raise ConfigError(f"async_weight_update: expected true or false, got {self.async_weight_update!r}")
+        if not isinstance(self.checksum, bool):
+            raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
+        object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
+        if self.backend not in DATA_PLANE_BACKENDS:
+            raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+            raise ConfigError(f"max_staleness: expected an integer >= 0, got {self.max_staleness!r}")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
+            raise ConfigError(f"master_port: expected 0 (pick a free port) or a port number, got {self.master_port!r}")
+        urls = [s.base_url for s in self.servers]
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"servers: the same URL is listed twice: {urls}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> WeightSyncConfig:
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, section: str | None = None) -> WeightSyncConfig:
+        """Load from a YAML file; ``section`` picks a nested mapping such as ``weight_sync``."""
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if section is not None:
+            if section not in data:
+                raise ConfigError(f"{path}: no '{section}' section")
+            data = data[section]
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> WeightSyncConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, rejecting unknown keys and recursing into fields."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; valid keys are {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if hint is Deadlines:
+            value = _build(Deadlines, value, f"{prefix}{key}.")
+        elif key == "servers":
+            if not isinstance(value, list):
+                raise ConfigError(f"{prefix}servers: expected a list of servers, got {type(value).__name__}")
+            value = tuple(_server(v, f"{prefix}servers[{i}].") for i, v in enumerate(value))
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def _server(value: Any, prefix: str) -> ServerConfig:
+    if isinstance(value, str):
+        value = {"url": value}
+    if isinstance(value, dict) and "url" not in value:
+        raise ConfigError(f"{prefix}url: missing; every server needs a URL such as http://127.0.0.1:8000")
+    try:
+        return _build(ServerConfig, value, prefix)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("servers[].", prefix)) from None

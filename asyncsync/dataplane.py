@@ -1,0 +1,141 @@
+"""The data plane: a torch.distributed process group between the trainer (rank 0) and the receivers.
+
+Groups are built without touching torch.distributed's global default group (a trainer already has
+one for its own training, and a server may have one for tensor parallelism): a TCPStore rendezvous,
+then a backend-specific process group object used directly. The store is prefixed exactly as
+SGLang's ``init_custom_process_group`` prefixes it (``tcp://host:port`` then ``group_name/``), so the
+same group is joinable by asyncsync's receivers and by SGLang's.
+
+Every group is warmed with one small broadcast right after creation: a lazily initialised NCCL
+communicator deadlocks when its first use comes under memory pressure in the middle of a sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+log = logging.getLogger(__name__)
+
+
+class DataPlaneError(RuntimeError):
+    """A rendezvous or collective failed or missed its deadline."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a member needs to join a group; sent to receivers as JSON."""
+
+    host: str
+    port: int
+    world_size: int
+    group_name: str
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` means NCCL when CUDA is present, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise DataPlaneError("backend 'nccl' needs CUDA, which this process does not have; use 'gloo' or 'auto'")
+    return backend
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DataPlaneGroup:
+    """One member's handle on a group: broadcast from rank 0, with the deadline given at creation.
+
+    Lifecycle::
+
+        group = DataPlaneGroup.join(spec, rank)   # blocks until every rank joined, then warms up
+        for bucket in buckets:
+            group.broadcast(buffer)               # rank 0 sends, every other rank receives in place
+        group.close()
+    """
+
+    def __init__(self, spec: GroupSpec, rank: int, store: TCPStore, pg: Any, device: torch.device):
+        self.spec, self.rank, self._store, self._pg, self.device = spec, rank, store, pg, device
+
+    @classmethod
+    def join(cls, spec: GroupSpec, rank: int) -> DataPlaneGroup:
+        timeout = timedelta(seconds=spec.timeout_s)
+        try:
+            store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
+            raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
+        prefixed = PrefixStore(f"{spec.group_name}/", PrefixStore(f"tcp://{spec.host}:{spec.port}", store))
+        try:
+            pg, device = _make_process_group(spec.backend, prefixed, rank, spec.world_size, timeout)
+        except Exception as e:
+            raise DataPlaneError(
+                f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
+                f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
+            ) from e
+        group = cls(spec, rank, store, pg, device)
+        group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))  # warm-up
+        log.info("rank %d joined data-plane group %s (%s, world %d)", rank, spec.group_name, spec.backend, spec.world_size)
+        return group
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start a broadcast from rank 0 into ``tensor`` on every rank; returns the torch Work handle."""
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return self._pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.wait(self.broadcast_async(tensor))
+
+    def wait(self, work: Any) -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            raise DataPlaneError(
+                f"rank {self.rank}: broadcast in group '{self.spec.group_name}' failed or exceeded "
+                f"{self.spec.timeout_s}s: {e}"
+            ) from e
+
+    def close(self) -> None:
+        for closer in ("shutdown", "abort"):
+            fn = getattr(self._pg, closer, None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:  # a dead peer may make shutdown fail; the group is gone either way
+                    pass
+                break
+        self._pg = None
+        self._store = None
+
+
+def _make_process_group(backend: str, store: PrefixStore, rank: int, world_size: int, timeout: timedelta) -> tuple[Any, torch.device]:
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu")
+    if backend == "nccl":  # unexercised on this project's CPU-only machines
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        device = torch.device("cuda", torch.cuda.current_device())
+        return ProcessGroupNCCL(store, rank, world_size, opts), device
+    raise DataPlaneError(f"unknown data-plane backend {backend!r}; expected 'gloo' or 'nccl'")

@@ -1,0 +1,28 @@
+"""Client of asyncsync's own reference server (``asyncsync serve``)."""
+
+from __future__ import annotations
+
+from asyncsync.dataplane import GroupSpec
+from asyncsync.engines.base import EngineClient, register_engine
+from asyncsync.wire import InitGroupRequest, UpdateRequest, VersionRequest
+
+
+@register_engine("reference")
+class ReferenceEngine(EngineClient):
+    async def world_size(self) -> int:
+        return int((await self.http.get("/world_size"))["world_size"])
+
+    async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
+        await self.http.post("/init_group", InitGroupRequest(spec, rank_offset).to_json())
+
+    async def begin(self, version: int) -> None:
+        await self.http.post("/begin", VersionRequest(version).to_json())
+
+    async def update(self, request: UpdateRequest) -> None:
+        await self.http.post("/update", request.to_json())
+
+    async def end(self, version: int) -> int:
+        return int((await self.http.post("/end", VersionRequest(version).to_json()))["version"])
+
+    async def version(self) -> int:
+        return int((await self.http.get("/version"))["version"])

@@ -1,0 +1,109 @@
+"""Small causal LMs built from a config (transformers' Qwen2 or Llama classes), never downloaded.
+
+The trainer's policy and the reference server's model come from the same ``ModelConfig`` and seed, so
+they start bit-identical; ``generate`` is the one decoding loop both sides use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncsync.config import ConfigError, _build
+from asyncsync.plan import dtype_from_name
+
+FAMILIES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a small causal LM. ``head_dim = hidden_size / num_heads`` (vLLM's CPU attention needs >= 32)."""
+
+    family: str = "qwen2"
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family: {self.family!r} is not one of {list(FAMILIES)}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"model.{f}: expected a positive integer, got {v!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        try:
+            dtype_from_name(self.dtype)
+        except ValueError as e:
+            raise ConfigError(f"model.dtype: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ModelConfig:
+        return _build(cls, data or {}, "model.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hf_config(self) -> Any:
+        common = dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+        )
+        if self.family == "qwen2":
+            from transformers import Qwen2Config
+
+            return Qwen2Config(**common)
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """A randomly initialised model, identical for identical configs (seeded, CPU, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    hf = cfg.hf_config()
+    hf._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(hf)
+    return model.to(dtype_from_name(cfg.dtype)).eval()
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, n: int = 1,
+    temperature: float = 0.0, generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """``n`` completions of one prompt (greedy at temperature 0), decoded with the model's KV cache."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)
+    out = model(input_ids=ids, use_cache=True)
+    past, completions = out.past_key_values, []
+    logits = out.logits[:, -1, :]
+    for _ in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator)
+        else:
+            token = logits.argmax(dim=-1, keepdim=True)
+        completions.append(token)
+        if len(completions) == max_new_tokens:
+            break
+        out = model(input_ids=token, past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+    if not completions:
+        return [[] for _ in range(n)]
+    return torch.cat(completions, dim=1).tolist()

@@ -1,0 +1,31 @@
+"""Shared fixtures: reference servers in child processes, always stopped when the test ends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncsync.models import ModelConfig
+from asyncsync.testing import ServerProcess, mixed_dtype_model
+
+# Small enough to start fast, large enough that several tensors exceed a 64 KiB bucket.
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def two_servers() -> Iterator[list[ServerProcess]]:
+    servers = [ServerProcess(mixed_dtype_model, (TINY,)) for _ in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,0 +1,114 @@
+"""The reference server's HTTP API in-process: validation, auth, generation with versions."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from asyncsync.models import build_model
+from asyncsync.server.app import ReferenceServer
+
+from conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(TINY)
+
+
+async def client_for(model, token=None) -> TestClient:
+    client = TestClient(TestServer(ReferenceServer(model, token).app()))
+    await client.start_server()
+    return client
+
+
+async def test_generate_reports_version_and_is_deterministic(model):
+    client = await client_for(model)
+    try:
+        body = {"prompt": [1, 2, 3], "max_new_tokens": 5, "n": 3, "temperature": 1.0, "seed": 7}
+        first = await (await client.post("/generate", json=body)).json()
+        second = await (await client.post("/generate", json=body)).json()
+        assert first == second
+        assert first["weight_version"] == 0
+        assert len(first["completions"]) == 3 and all(len(c) == 5 for c in first["completions"])
+        health = await (await client.get("/health")).json()
+        assert health == {"status": "ok", "version": 0}
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/generate", {"prompt": []}),
+        ("/generate", {"prompt": [1, 99999]}),
+        ("/generate", {"prompt": [1], "max_new_tokens": -1}),
+        ("/generate", {"prompt": [1], "n": 0}),
+        ("/generate", {"prompt": [1], "temperature": "hot"}),
+        ("/generate", {"prompt": [1], "seed": 1.5}),
+        ("/init_group", {"rank_offset": 1}),
+        ("/init_group", {"group": {"host": "127.0.0.1", "port": 0, "world_size": 2, "group_name": "g",
+                                   "backend": "gloo", "timeout_s": 1}, "rank_offset": 1}),
+        ("/init_group", {"group": {"host": "127.0.0.1", "port": 5000, "world_size": 2, "group_name": "g",
+                                   "backend": "mpi", "timeout_s": 1}, "rank_offset": 1}),
+        ("/init_group", {"group": {"host": "127.0.0.1", "port": 5000, "world_size": 2, "group_name": "g",
+                                   "backend": "gloo", "timeout_s": 1}, "rank_offset": 2}),
+        ("/begin", {}),
+        ("/begin", {"version": -3}),
+        ("/update", {"version": 1, "buckets": [], "checksum": True}),
+        ("/update", {"version": 1, "checksum": True,
+                     "buckets": [{"names": ["a"], "dtypes": ["float33"], "shapes": [[2]], "nbytes": 8}]}),
+        ("/update", {"version": 1, "checksum": True,
+                     "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "nbytes": 9}]}),
+        ("/update", {"version": 1, "checksum": True,
+                     "buckets": [{"names": ["a", "b"], "dtypes": ["int8", "float32"], "shapes": [[1], [1]], "nbytes": 5}]}),
+        ("/update", {"version": 1, "checksum": "yes",
+                     "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "nbytes": 8}]}),
+        ("/end", {"version": "1"}),
+    ],
+)
+async def test_malformed_requests_get_400_and_server_keeps_serving(model, path, body):
+    client = await client_for(model)
+    try:
+        resp = await client.post(path, json=body)
+        assert resp.status == 400, await resp.text()
+        assert "error" in await resp.json()
+        ok = await client.post("/generate", json={"prompt": [1], "max_new_tokens": 2})
+        assert ok.status == 200
+    finally:
+        await client.close()
+
+
+async def test_body_that_is_not_json_gets_400(model):
+    client = await client_for(model)
+    try:
+        resp = await client.post("/begin", data=b"{not json", headers={"Content-Type": "application/json"})
+        assert resp.status == 400
+    finally:
+        await client.close()
+
+
+async def test_update_without_group_is_refused(model):
+    client = await client_for(model)
+    try:
+        body = {"version": 1, "checksum": False,
+                "buckets": [{"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]], "nbytes": 4}]}
+        resp = await client.post("/update", json=body)
+        assert resp.status == 409
+        assert "init_group" in (await resp.json())["error"]
+        resp = await client.post("/end", json={"version": 1})
+        assert resp.status == 409
+    finally:
+        await client.close()
+
+
+async def test_token_required_when_configured(model):
+    client = await client_for(model, token="s3cret")
+    try:
+        assert (await client.get("/version")).status == 401
+        bad = await client.get("/version", headers={"Authorization": "Bearer nope"})
+        assert bad.status == 401
+        good = await client.get("/version", headers={"Authorization": "Bearer s3cret"})
+        assert good.status == 200 and (await good.json())["version"] == 0
+    finally:
+        await client.close()

@@ -49,7 +49,7 @@ class ReferenceServer:
         self.model = model
         self.token = token
         self.serve_lock = threading.Lock()
-        self.receiver = WeightReceiver(model.state_dict(), self.serve_lock)
+        self.receiver = WeightReceiver(model.state_dict(keep_vars=True), self.serve_lock)
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
 

@@ -6,11 +6,13 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from asyncsync.dataplane import DataPlaneGroup, GroupSpec
 from asyncsync.packing import crc32c_of, unpack
+from asyncsync.plan import Bucket
 from asyncsync.wire import UpdateRequest
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class WeightReceiver:
         self.version = version
         self._staging: dict[str, torch.Tensor] | None = None
         self._staged_version: int | None = None
-        self._recv = torch.empty(0, dtype=torch.uint8)
+        self._recv = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.group: DataPlaneGroup | None = None
         self.rank: int | None = None
 
@@ -63,22 +65,17 @@ class WeightReceiver:
         if req.version <= self.version:
             problems.append(f"version {req.version} is not newer than the served version {self.version}")
         crcs: list[int] = []
-        for index, meta in enumerate(req.buckets):
-            bucket = meta.to_bucket(index)
-            buf = self._buffer(bucket.nbytes)
-            self.group.broadcast(buf)
+        buckets = [meta.to_bucket(i) for i, meta in enumerate(req.buckets)]
+        # Double-buffered: bucket k+1 is already on the wire while bucket k is verified and staged.
+        pending = self._post(buckets, 0)
+        for index, bucket in enumerate(buckets):
+            buf, work = pending
+            self.group.wait(work)
+            if index + 1 < len(buckets):
+                pending = self._post(buckets, index + 1)
             if req.checksum:
                 crcs.append(crc32c_of(buf))
-            for name, view in unpack(buf, bucket):
-                target = self._staging.get(name)
-                if target is None:
-                    problems.append(f"unknown tensor '{name}'")
-                elif target.shape != view.shape or target.dtype != view.dtype:
-                    problems.append(
-                        f"'{name}': got {view.dtype} {tuple(view.shape)}, expected {target.dtype} {tuple(target.shape)}"
-                    )
-                else:
-                    target.copy_(view)
+            problems.extend(self._stage(buf, bucket))
         if req.checksum:
             expected = torch.zeros(len(req.buckets), dtype=torch.int64)
             self.group.broadcast(expected)
@@ -94,8 +91,29 @@ class WeightReceiver:
             raise VersionRejected(f"version {req.version} rejected: " + "; ".join(problems[:5]))
         self._staged_version = req.version
 
+    def _post(self, buckets: list[Bucket], index: int) -> tuple[torch.Tensor, Any]:
+        """Start receiving bucket ``index`` into the ring buffer of its parity."""
+        assert self.group is not None
+        buf = self._buffer(index % 2, buckets[index].nbytes)
+        return buf, self.group.broadcast_async(buf)
+
+    def _stage(self, buf: torch.Tensor, bucket: Bucket) -> list[str]:
+        """Copy a bucket's tensors into staging; return what did not match this server's weights."""
+        assert self._staging is not None
+        problems = []
+        for name, view in unpack(buf, bucket):
+            target = self._staging.get(name)
+            if target is None:
+                problems.append(f"unknown tensor '{name}'")
+            elif target.shape != view.shape or target.dtype != view.dtype:
+                problems.append(f"'{name}': got {view.dtype} {tuple(view.shape)}, expected {target.dtype} {tuple(target.shape)}")
+            else:
+                target.copy_(view)
+        return problems
+
     def commit(self, version: int) -> int:
-        """Swap the staged version in; generation holds ``serve_lock`` so it never sees a torn state."""
+        """Swap the staged tensors in (storage pointers, no copy) under ``serve_lock``, so generation
+        never sees a torn state; the previous live storage becomes the next staging area."""
         if self._staged_version != version:
             raise VersionRejected(
                 f"version {version} is not staged (staged: {self._staged_version}); send /update for it first"
@@ -103,7 +121,9 @@ class WeightReceiver:
         assert self._staging is not None
         with self.serve_lock, torch.no_grad():
             for name, live in self._live.items():
-                live.copy_(self._staging[name])
+                previous = live.detach()  # keeps the old storage alive as the next staging tensor
+                live.set_(self._staging[name])
+                self._staging[name] = previous
             self.version = version
         self._staged_version = None
         return version
@@ -113,11 +133,11 @@ class WeightReceiver:
         with self.serve_lock:
             return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self._live.items()}
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._recv.numel() < nbytes:
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        if self._recv[slot].numel() < nbytes:
             device = self.group.device if self.group is not None else torch.device("cpu")
-            self._recv = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._recv[:nbytes]
+            self._recv[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._recv[slot][:nbytes]
 
     def close(self) -> None:
         if self.group is not None:

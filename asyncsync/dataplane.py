@@ -113,6 +113,10 @@ class DataPlaneGroup:
                 f"{self.spec.timeout_s}s: {e}"
             ) from e
 
+    def barrier(self) -> None:
+        """Wait until every rank got here: benchmarks use it to time delivery, not just sending."""
+        self.wait(self._pg.barrier())
+
     def close(self) -> None:
         for closer in ("shutdown", "abort"):
             fn = getattr(self._pg, closer, None)

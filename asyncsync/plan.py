@@ -35,6 +35,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def distinct_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop names that alias an earlier tensor (tied weights such as ``lm_head.weight``): sent once.
+
+    Trainer and receivers apply the same rule to the same module layout, so they agree on the names.
+    """
+    seen: set[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        if t.numel():
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key in seen:
+                continue
+            seen.add(key)
+        out[name] = t
+    return out
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, dtype and shape of one tensor: all a receiver needs to rebuild it from bytes."""

@@ -29,7 +29,7 @@ from asyncsync.control import ControlLoop, ServerError
 from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port, resolve_backend
 from asyncsync.engines import EngineClient, make_engine
 from asyncsync.packing import PackBackend, get_backend
-from asyncsync.plan import BucketPlan
+from asyncsync.plan import BucketPlan, distinct_tensors
 from asyncsync.wire import BucketMeta, UpdateRequest
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,8 @@ class SyncResult:
 
 
 def named_tensors(weights: Weights) -> dict[str, torch.Tensor]:
-    """Fresh name -> tensor map (parameters and persistent buffers), fetched at every sync."""
-    if isinstance(weights, torch.nn.Module):
-        return weights.state_dict()
-    return dict(weights)
+    """Fresh name -> tensor map (parameters and persistent buffers, tied ones once), fetched at every sync."""
+    return distinct_tensors(weights.state_dict() if isinstance(weights, torch.nn.Module) else weights)
 
 
 class WeightSync:

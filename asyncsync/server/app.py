@@ -32,6 +32,7 @@ from aiohttp import web
 
 from asyncsync.dataplane import DataPlaneError
 from asyncsync.models import generate
+from asyncsync.plan import distinct_tensors
 from asyncsync.server.receiver import VersionRejected, WeightReceiver
 from asyncsync.wire import InitGroupRequest, UpdateRequest, VersionRequest, WireError
 
@@ -49,7 +50,7 @@ class ReferenceServer:
         self.model = model
         self.token = token
         self.serve_lock = threading.Lock()
-        self.receiver = WeightReceiver(model.state_dict(keep_vars=True), self.serve_lock)
+        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
 

@@ -1,0 +1,170 @@
+"""Blocking sync throughput vs a raw flat broadcast and a tensor-by-tensor broadcast, in one run.
+
+The model has Qwen2-0.5B's layout at half width in bfloat16 (~315 MB, 290 tensors). For 1 and 2
+receivers it measures, side by side:
+  - raw flat:    one broadcast of a single flat buffer of the same bytes (the wire's ceiling);
+  - per tensor:  one broadcast per tensor (what a naive sync does);
+  - asyncsync:   WeightSync.publish to reference servers: plan, pack, checksum, broadcast, verify,
+                 stage and swap in on every server, HTTP control included.
+All three on gloo over loopback. Writes benchmarks/results/broadcast.{json,png}.
+
+    python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync.config import parse_bytes
+from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
+from asyncsync.models import ModelConfig, build_model
+from asyncsync.sync import named_tensors
+from asyncsync.testing import ServerProcess
+from benchmarks.common import RESULTS, median_time, write_json
+
+QWEN2_05B_HALF = ModelConfig(
+    family="qwen2", vocab_size=151936, hidden_size=448, intermediate_size=2432, num_layers=24,
+    num_heads=14, num_kv_heads=2, tie_word_embeddings=True, dtype="bfloat16",
+)
+
+
+def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
+    torch.set_num_threads(1)
+    group = DataPlaneGroup.join(spec, rank)
+    flat = torch.empty(sum(torch.empty(s, dtype=d).nbytes for d, s in shapes), dtype=torch.uint8)
+    tensors = [torch.empty(s, dtype=d) for d, s in shapes]
+    for _ in range(rounds):
+        group.broadcast(flat)
+        group.barrier()
+    for _ in range(rounds):
+        for t in tensors:
+            group.broadcast(t)
+        group.barrier()
+    group.close()
+
+
+def raw_baselines(named: dict[str, torch.Tensor], receivers: int, repeats: int) -> dict[str, float]:
+    """Seconds for one flat broadcast and for a tensor-by-tensor broadcast of the same bytes."""
+    spec = GroupSpec("127.0.0.1", free_port(), receivers + 1, "raw", "gloo", 300.0)
+    shapes = [(t.dtype, tuple(t.shape)) for t in named.values()]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, repeats + 1), daemon=True) for r in range(1, receivers + 1)]
+    for p in procs:
+        p.start()
+    try:
+        group = DataPlaneGroup.join(spec, 0)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
+        tensors = list(named.values())
+
+        def flat_once() -> None:
+            group.broadcast(flat)
+            group.barrier()
+
+        def per_tensor_once() -> None:
+            for t in tensors:
+                group.broadcast(t)
+            group.barrier()
+
+        result = {"flat_s": median_time(flat_once, repeats), "per_tensor_s": median_time(per_tensor_once, repeats)}
+        group.close()
+        return result
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def sync_time(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+    servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
+    try:
+        for s in servers:
+            s.start()
+        cfg = WeightSyncConfig(servers=tuple(WeightSyncConfig.from_dict({"servers": [s.url for s in servers]}).servers),
+                               bucket_bytes=bucket_bytes)
+        with WeightSync(cfg) as sync:
+            sync.connect(model)
+            version = iter(range(1, 1000))
+            results = []
+
+            def once() -> None:
+                results.append(sync.publish(model, next(version)))
+
+            seconds = median_time(once, repeats)
+            last = results[-1]
+            return {
+                "sync_s": seconds, "buckets": last.buckets, "pack_backend": sync._packer.name if sync._packer else None,
+                "last": {"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s},
+            }
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["raw flat", "asyncsync sync", "per tensor"]
+    keys = ["flat_gbps", "sync_gbps", "per_tensor_gbps"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for i, (label, key) in enumerate(zip(labels, keys)):
+        xs = [r["receivers"] + (i - 1) * width for r in rows]
+        bars = ax.bar(xs, [r[key] for r in rows], width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks([r["receivers"] for r in rows], [f"{r['receivers']} receiver(s)" for r in rows])
+    ax.set_ylabel("GB/s (model bytes / wall time)")
+    ax.set_title(f"{rows[0]['model_mb']:.0f} MB model, gloo on loopback, CPU only")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-bytes", default="64MiB")
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    bucket_bytes = parse_bytes(args.bucket_bytes, "--bucket-bytes")
+
+    model = build_model(QWEN2_05B_HALF)
+    named = named_tensors(model)
+    nbytes = sum(t.nbytes for t in named.values())
+    rows = []
+    for n in args.receivers:
+        raw = raw_baselines(named, n, args.repeats)
+        sync = sync_time(model, n, args.repeats, bucket_bytes)
+        row = {
+            "receivers": n, "model_mb": nbytes / 1e6, "tensors": len(named), **raw, **sync,
+            "flat_gbps": nbytes / raw["flat_s"] / 1e9, "per_tensor_gbps": nbytes / raw["per_tensor_s"] / 1e9,
+            "sync_gbps": nbytes / sync["sync_s"] / 1e9,
+        }
+        row["sync_vs_flat"] = raw["flat_s"] / sync["sync_s"]
+        row["sync_vs_per_tensor"] = raw["per_tensor_s"] / sync["sync_s"]
+        rows.append(row)
+        print(f"{n} receiver(s): {nbytes / 1e6:.0f} MB, {len(named)} tensors, {row['buckets']} buckets | "
+              f"raw flat {raw['flat_s']:.3f}s ({row['flat_gbps']:.2f} GB/s) | "
+              f"per tensor {raw['per_tensor_s']:.3f}s ({row['per_tensor_gbps']:.2f} GB/s) | "
+              f"asyncsync {sync['sync_s']:.3f}s ({row['sync_gbps']:.2f} GB/s) | "
+              f"sync/flat {row['sync_vs_flat']:.2f}x (target >= 0.9x), "
+              f"sync/per-tensor {row['sync_vs_per_tensor']:.2f}x (target >= 2x)", flush=True)
+    targets = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
+    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": targets, "rows": rows})
+    plot(rows, str(RESULTS / "broadcast.png"))
+    print(f"wrote {path} and {RESULTS / 'broadcast.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,9 @@
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.plan import Bucket, BucketPlan, TensorSpec
-from asyncsync.sync import SyncError, SyncResult, WeightSync
+from asyncsync.metrics import SyncResult
+from asyncsync.sync import WeightSync
+from asyncsync.transfer import SyncError
 
 __all__ = [
     "Bucket", "BucketPlan", "ConfigError", "ServerConfig", "SyncError", "SyncResult", "TensorSpec",

@@ -52,6 +52,11 @@ def distinct_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def named_tensors(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh name -> tensor map (parameters and persistent buffers, tied ones once), fetched at every sync."""
+    return distinct_tensors(weights.state_dict() if isinstance(weights, torch.nn.Module) else weights)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, dtype and shape of one tensor: all a receiver needs to rebuild it from bytes."""

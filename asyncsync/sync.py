@@ -2,85 +2,58 @@
 
 Lifecycle, as the trainer's loop sees it::
 
-    sync = WeightSync.from_config(cfg)          # async_weight_update: false -> blocking publish
+    sync = WeightSync.from_config(cfg)          # cfg.async_weight_update: true | false
     sync.connect(model)                         # plan buckets, build the group eagerly, warm it up
     for step in range(steps):
-        ...                                     # rollouts, loss, backward
-        sync.wait_snapshot()                    # params may change only after the last snapshot
+        rollouts = ...                          # each rollout carries the weight version it used
+        loss.backward()
+        sync.wait_snapshot()                    # params may change only after the last snapshot copy
         optimizer.step()
-        sync.publish(model, version=step + 1)   # blocking mode: returns once every server applied it
-    sync.close()
+        sync.publish(model, version=step + 1)   # async: O(1). blocking: returns once every server has it
+    sync.close()                                # drain: the last version reaches every server
+
+With ``async_weight_update: false`` publish packs into two ring buffers (bucket k+1 packs while
+bucket k is on the wire) and returns when every server applied the version: the baseline.
+With ``true`` a ``SyncWorker`` does the same work in the background.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.control import ControlLoop, ServerError
-from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port, resolve_backend
-from asyncsync.engines import EngineClient, make_engine
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
-from asyncsync.plan import BucketPlan, distinct_tensors
-from asyncsync.wire import BucketMeta, UpdateRequest
+from asyncsync.plan import Bucket, BucketPlan, named_tensors
+from asyncsync.streams import StreamSet
+from asyncsync.transfer import Transfer
+from asyncsync.worker import SyncWorker
 
 log = logging.getLogger(__name__)
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor]
-
-
-class SyncError(RuntimeError):
-    """A sync could not reach every server; the message lists each server's failure."""
-
-
-@dataclass
-class SyncResult:
-    """What one ``publish`` did: the version, its size, and where the time went."""
-
-    version: int
-    nbytes: int
-    buckets: int
-    pack_s: float = 0.0
-    wire_s: float = 0.0
-    apply_s: float = 0.0
-    total_s: float = 0.0
-    server_versions: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.total_s / 1e9 if self.total_s else 0.0
-
-
-def named_tensors(weights: Weights) -> dict[str, torch.Tensor]:
-    """Fresh name -> tensor map (parameters and persistent buffers, tied ones once), fetched at every sync."""
-    return distinct_tensors(weights.state_dict() if isinstance(weights, torch.nn.Module) else weights)
+R = TypeVar("R")
 
 
 class WeightSync:
     """Plans, packs and broadcasts versions of a model's weights to the configured servers."""
 
     def __init__(self, config: WeightSyncConfig):
-        if config.async_weight_update:
-            raise NotImplementedError(
-                "async_weight_update: true is not implemented yet; set it to false for the blocking sync"
-            )
         if not config.servers:
             raise ValueError("weight_sync.servers is empty: list at least one server URL to sync to")
         self.config = config
+        self.metrics = SyncMetrics()
         self.plan: BucketPlan | None = None
-        self.group: DataPlaneGroup | None = None
-        self.engines: list[EngineClient] = []
-        self._control: ControlLoop | None = None
-        self._ring: list[torch.Tensor] = []
+        self._transfer: Transfer | None = None
         self._packer: PackBackend | None = None
+        self._worker: SyncWorker | None = None
+        self._ring: list[torch.Tensor] = []
+        self._last_version = 0
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig | Mapping[str, Any] | str | Path) -> WeightSync:
@@ -90,120 +63,119 @@ class WeightSync:
             return cls(WeightSyncConfig.from_dict(dict(config)))
         return cls(WeightSyncConfig.from_yaml(config))
 
-    # -- set-up ---------------------------------------------------------------------------------
+    @property
+    def is_async(self) -> bool:
+        return self.config.async_weight_update
+
+    @property
+    def pack_backend(self) -> str:
+        return self._packer.name if self._packer else "unconnected"
 
     def connect(self, model: Weights) -> None:
-        """Plan the buckets and build the data-plane group with every server, warmed up."""
-        cfg = self.config
-        self._control = ControlLoop()
-        self.engines = [make_engine(s, cfg.deadlines.http_s) for s in cfg.servers]
-        sizes = self._fanout(lambda e: e.world_size(), "world_size")
-        backend = resolve_backend(cfg.backend)
-        spec = GroupSpec(
-            host=cfg.master_addr, port=cfg.master_port or free_port(cfg.master_addr),
-            world_size=1 + sum(sizes.values()), group_name=cfg.group_name, backend=backend,
-            timeout_s=cfg.deadlines.collective_s,
-        )
-        offsets, rank = {}, 1
-        for e in self.engines:
-            offsets[e.url], rank = rank, rank + sizes[e.url]
-        joined = self._control.submit(self._gather(lambda e: e.init_group(spec, offsets[e.url])))
-        self.group = DataPlaneGroup.join(spec, rank=0)  # returns once every server's ranks joined
-        self._check(joined.result(cfg.deadlines.rendezvous_s), "init_group")
-        self._packer = get_backend(cfg.pack_backend, self.group.device)
+        """Plan the buckets, build the data-plane group with every server (warmed up) and, in async
+        mode, start the worker with its two snapshot buffer sets."""
+        self._transfer = Transfer.connect(self.config)
+        device = self._transfer.group.device
+        self._packer = get_backend(self.config.pack_backend, device)
         self._replan(named_tensors(model))
-        log.info("connected to %d server(s), world size %d, pack backend %s", len(self.engines), spec.world_size, self._packer.name)
+        if self.is_async:
+            assert self.plan is not None
+            self._worker = SyncWorker(self._transfer, self.plan, self._packer, StreamSet.for_device(device), self.metrics)
+        log.info("connected: %s mode, pack backend %s", "async" if self.is_async else "blocking", self._packer.name)
 
     def _replan(self, named: Mapping[str, torch.Tensor]) -> None:
-        """(Re)build the bucket index and the two ring buffers when names, dtypes or shapes change."""
+        """(Re)build the bucket index and, for blocking mode, the two ring buffers."""
+        assert self._transfer is not None
         self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes)
         size = self.plan.max_bucket_bytes
-        if not self._ring or self._ring[0].numel() < size:
-            assert self.group is not None
-            self._ring = [torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
+        if not self.is_async and (not self._ring or self._ring[0].numel() < size):
+            self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfer.group.device) for _ in range(2)]
 
     # -- the step boundary ----------------------------------------------------------------------
 
     def wait_snapshot(self) -> None:
-        """Blocking mode: ``publish`` already copied everything before returning; nothing to wait for."""
+        """Return once parameters may be changed: async mode waits for the snapshot copy of the last
+        published version (a stream-side wait on CUDA); blocking mode has nothing to wait for."""
+        if self._worker is not None:
+            self._worker.wait_snapshot()
 
-    def publish(self, model: Weights, version: int) -> SyncResult:
-        """Send ``version`` of ``model``'s weights to every server; returns once all of them serve it."""
-        if self.group is None or self._control is None:
+    def publish(self, model: Weights, version: int) -> SyncResult | None:
+        """Hand ``version`` of ``model``'s weights to the servers.
+
+        Async mode: O(1), returns None; the sync happens in the background. Blocking mode: returns
+        the ``SyncResult`` once every server serves ``version``.
+        """
+        if self._transfer is None:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
+        if self._worker is not None:
+            self._worker.publish(model, version)
+            return None
+        if version <= self._last_version:
+            raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
+        self._last_version = version
+        self.metrics.count("published")
         named = named_tensors(model)
         if self.plan is None or not self.plan.matches(named):
             self._replan(named)
-        return self._transfer(named, version)
+        assert self.plan is not None and self._packer is not None
+        packer, checksum = self._packer, self.config.checksum
 
-    def _transfer(self, named: Mapping[str, torch.Tensor], version: int) -> SyncResult:
-        assert self.plan is not None and self.group is not None and self._packer is not None and self._control is not None
-        cfg, plan, group = self.config, self.plan, self.group
-        request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum)
-        result = SyncResult(version, plan.total_bytes, len(plan.buckets))
-        start = time.perf_counter()
+        def pack(bucket: Bucket) -> tuple[torch.Tensor, int | None]:
+            buf = self._ring[bucket.index % 2][: bucket.nbytes]
+            return buf, packer.pack([named[s.name] for s in bucket.specs], bucket.offsets, buf, checksum)
 
-        async def begin_and_update(e: EngineClient) -> None:
-            await e.begin(version)
-            await e.update(request)
-
-        received = self._control.submit(self._gather(begin_and_update))
-        in_flight: list[Any] = [None, None]  # the broadcast each ring buffer is on, if any
-        crcs: list[int] = []
-        for i, bucket in enumerate(plan.buckets):
-            slot = i % 2
-            if in_flight[slot] is not None:
-                group.wait(in_flight[slot])  # the buffer is reusable once its broadcast finished
-            buf = self._ring[slot][: bucket.nbytes]
-            t0 = time.perf_counter()
-            crc = self._packer.pack([named[s.name] for s in bucket.specs], bucket.offsets, buf, cfg.checksum)
-            result.pack_s += time.perf_counter() - t0
-            if crc is not None:
-                crcs.append(crc)
-            in_flight[slot] = group.broadcast_async(buf)
-        for work in in_flight:
-            if work is not None:
-                group.wait(work)
-        if cfg.checksum:
-            group.broadcast(torch.tensor(crcs, dtype=torch.int64, device=group.device))
-        result.wire_s = time.perf_counter() - start - result.pack_s
-        t0 = time.perf_counter()
-        self._check(received.result(cfg.deadlines.http_s), "update")
-        result.server_versions = self._fanout(lambda e: e.end(version), "end")
-        result.apply_s = time.perf_counter() - t0
-        result.total_s = time.perf_counter() - start
+        try:
+            result = self._transfer.send(version, self.plan, pack, ring=2)
+        except Exception:
+            self.metrics.count("failed")
+            raise
+        self.metrics.record(result)
+        self.metrics.count("sent")
         return result
 
-    # -- fan-out helpers ------------------------------------------------------------------------
+    # -- versions and staleness -----------------------------------------------------------------
 
-    async def _gather(self, call: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, Any]:
-        """Call every server concurrently; each server's result or exception, keyed by URL."""
-        results = await asyncio.gather(*(call(e) for e in self.engines), return_exceptions=True)
-        return {e.url: r for e, r in zip(self.engines, results)}
+    @property
+    def server_versions(self) -> dict[str, int]:
+        """The version each server serves, as last reported by the server."""
+        return dict(self._transfer.server_versions) if self._transfer else {}
 
-    def _fanout(self, call: Callable[[EngineClient], Awaitable[Any]], what: str) -> dict[str, Any]:
-        assert self._control is not None
-        return self._check(self._control.run(self._gather(call), self.config.deadlines.http_s), what)
+    def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
+        """True when a rollout generated with ``rollout_version`` is within ``max_staleness``."""
+        return trainer_version - rollout_version <= self.config.max_staleness
 
-    @staticmethod
-    def _check(results: dict[str, Any], what: str) -> dict[str, Any]:
-        failed = {url: r for url, r in results.items() if isinstance(r, BaseException)}
-        if failed:
-            detail = "; ".join(str(r) if isinstance(r, ServerError) else f"{url}: {r!r}" for url, r in failed.items())
-            raise SyncError(f"{what} failed on {len(failed)} of {len(results)} server(s): {detail}")
-        return results
+    def filter_fresh(self, rollouts: Iterable[R], version_of: Callable[[R], int], trainer_version: int) -> tuple[list[R], int]:
+        """Keep the rollouts within ``max_staleness``; returns (kept, number dropped)."""
+        every = list(rollouts)
+        kept = [r for r in every if self.is_fresh(version_of(r), trainer_version)]
+        return kept, len(every) - len(kept)
+
+    def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool:
+        """Wait until every server is within ``max_staleness`` of ``trainer_version`` (async mode);
+        rollouts generated afterwards are fresh enough. False on timeout."""
+        needed = trainer_version - self.config.max_staleness
+        if self._worker is None:
+            return min(self.server_versions.values(), default=needed) >= needed
+        return self._worker.wait_served(needed, timeout)
+
+    @property
+    def errors(self) -> list[str]:
+        """Failed background syncs, oldest first (async mode; blocking mode raises instead)."""
+        return self._worker.errors if self._worker else []
+
+    def prometheus_text(self) -> str:
+        return self.metrics.prometheus_text()
 
     # -- tear-down ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the group and the HTTP pools. Blocking mode has nothing in flight to drain."""
-        if self._control is not None:
-            self._control.run(self._gather(lambda e: e.close()), timeout=10)
-            self._control.close()
-            self._control = None
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        """Drain (async: the last published version reaches every server), then release everything."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None
 
     def __enter__(self) -> WeightSync:
         return self

@@ -29,14 +29,15 @@ def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None) -> None:
+def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None,
+           apply_delay_s: float) -> None:
     import logging
 
     from asyncsync.server.app import run_server
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    run_server(factory(*factory_args), host, port, token)
+    run_server(factory(*factory_args), host, port, token, apply_delay_s)
 
 
 class ServerProcess:
@@ -47,12 +48,13 @@ class ServerProcess:
     """
 
     def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
-                 token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0):
+                 token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
+                 apply_delay_s: float = 0.0):
         self.host, self.port, self.token = host, free_port(host), token
         self.url = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
         self.process = mp.get_context("spawn").Process(
-            target=_serve, args=(factory, factory_args, host, self.port, token), daemon=True
+            target=_serve, args=(factory, factory_args, host, self.port, token, apply_delay_s), daemon=True
         )
 
     def start(self) -> ServerProcess:

@@ -24,7 +24,7 @@ from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.config import parse_bytes
 from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.sync import named_tensors
+from asyncsync.plan import named_tensors
 from asyncsync.testing import ServerProcess
 from benchmarks.common import RESULTS, median_time, write_json
 
@@ -99,7 +99,7 @@ def sync_time(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes
             seconds = median_time(once, repeats)
             last = results[-1]
             return {
-                "sync_s": seconds, "buckets": last.buckets, "pack_backend": sync._packer.name if sync._packer else None,
+                "sync_s": seconds, "buckets": last.buckets, "pack_backend": sync.pack_backend,
                 "last": {"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s},
             }
     finally:

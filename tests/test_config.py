@@ -67,8 +67,3 @@ def test_weight_sync_needs_servers():
     with pytest.raises(ValueError, match="servers is empty"):
         WeightSync(WeightSyncConfig())
 
-
-def test_async_toggle_fails_clearly_until_implemented():
-    cfg = WeightSyncConfig.from_dict({"async_weight_update": True, "servers": ["http://127.0.0.1:9000"]})
-    with pytest.raises(NotImplementedError, match="async_weight_update"):
-        WeightSync(cfg)

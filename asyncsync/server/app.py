@@ -3,7 +3,7 @@
 Routes (JSON in and out)::
 
     GET  /health            {"status": "ok", "version": v}
-    GET  /version           {"version": v}
+    GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
     GET  /world_size        {"world_size": 1}     data-plane ranks this server needs
     GET  /weights/digest    {"version": v, "digest": {name: sha256}}
     POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import random
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from asyncsync.control import new_event_loop
 from asyncsync.dataplane import DataPlaneError
 from asyncsync.models import generate
 from asyncsync.plan import distinct_tensors
@@ -46,9 +48,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class ReferenceServer:
     """Holds the model, the receiver and the two worker threads behind the routes."""
 
-    def __init__(self, model: torch.nn.Module, token: str | None = None):
+    def __init__(self, model: torch.nn.Module, token: str | None = None, apply_delay_s: float = 0.0):
         self.model = model
         self.token = token
+        self.apply_delay_s = apply_delay_s  # fault injection for tests: a random sleep before each swap-in
         self.serve_lock = threading.Lock()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
@@ -96,14 +99,14 @@ class ReferenceServer:
         return web.json_response({"status": "ok", "version": self.receiver.version})
 
     async def get_version(self, _r: web.Request) -> web.Response:
-        return web.json_response({"version": self.receiver.version})
+        return web.json_response({"version": self.receiver.version, "applied": list(self.receiver.applied)})
 
     async def world_size(self, _r: web.Request) -> web.Response:
         return web.json_response({"world_size": 1})
 
     async def digest(self, _r: web.Request) -> web.Response:
-        digest = await self._run(self._gen, self.receiver.digest)
-        return web.json_response({"version": self.receiver.version, "digest": digest})
+        version, digest = await self._run(self._gen, self.receiver.digest)
+        return web.json_response({"version": version, "digest": digest})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -146,6 +149,8 @@ class ReferenceServer:
 
     async def end(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end")
+        if self.apply_delay_s:
+            await asyncio.sleep(random.uniform(0, self.apply_delay_s))
         version = await self._run(self._comm, self.receiver.commit, req.version)
         return web.json_response({"version": version})
 
@@ -171,12 +176,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), uvloop when installed."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    web.run_app(ReferenceServer(model, token).app(), host=host, port=port, print=None, access_log=None)
+def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, apply_delay_s: float = 0.0) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
+    app = ReferenceServer(model, token, apply_delay_s).app()
+    web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class WeightReceiver:
         self._live = dict(weights)
         self.serve_lock = serve_lock
         self.version = version
+        self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
         self._sets: list[_FlatSet] = []
         self._live_set: _FlatSet | None = None
         self._staged: tuple[int, _FlatSet, list[Bucket]] | None = None
@@ -131,14 +133,16 @@ class WeightReceiver:
                     live = self._live[spec.name]
                     live.set_(buf.untyped_storage(), offset // spec.itemsize, spec.shape, _contiguous_strides(spec.shape))
             self.version = version
+            self.applied.append(version)
             self._live_set = target
         self._staged = None
         return version
 
-    def digest(self) -> dict[str, str]:
-        """SHA-256 of every live tensor's bytes: compares weights bit for bit without shipping them."""
+    def digest(self) -> tuple[int, dict[str, str]]:
+        """The served version and the SHA-256 of every live tensor's bytes, taken together: compares
+        weights bit for bit without shipping them."""
         with self.serve_lock:
-            return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self._live.items()}
+            return self.version, {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self._live.items()}
 
     def close(self) -> None:
         if self.group is not None:

@@ -1,0 +1,232 @@
+"""The background sync worker: the trainer pays for a snapshot copy, never for the network.
+
+Lifecycle, as the trainer's loop drives it::
+
+    worker = SyncWorker(transfer, plan, packer, streams, metrics)
+    for step in range(steps):
+        ...                                   # forward / backward: parameters are only read
+        worker.wait_snapshot()                # held only until the last published version is copied
+        optimizer.step()
+        worker.publish(model, version)        # O(1): a marker, a latest-wins slot, a wake-up
+    worker.close()                            # drain: the last version reaches every server
+
+Two threads, one job each:
+  * the snapshotter takes the latest published version and packs it (checksum fused) into one of two
+    version-sized ``Snapshot`` buffers sets, the one the sender is not using;
+  * the sender takes the latest snapshot and broadcasts it from those buffers (``Transfer.send``).
+So the snapshot of version v is taken while v-1 is still on the wire, and the trainer never waits
+for the wire. A version overtaken before it is snapshotted, or snapshotted but overtaken before the
+sender takes it, is superseded: counted, never sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncsync.metrics import SyncMetrics, SyncResult
+from asyncsync.packing import PackBackend
+from asyncsync.plan import Bucket, BucketPlan, named_tensors
+from asyncsync.streams import StreamSet
+from asyncsync.transfer import Transfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Snapshot:
+    """One version in packed form: a flat buffer per bucket and each bucket's checksum."""
+
+    buffers: list[torch.Tensor]
+    crcs: list[int | None]
+    version: int = 0
+    done: Any = None  # the stream marker recorded after the copy
+    started: float = 0.0
+    snapshot_s: float = 0.0
+
+    @classmethod
+    def allocate(cls, plan: BucketPlan, device: torch.device) -> Snapshot:
+        return cls([torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in plan.buckets], [None] * len(plan.buckets))
+
+    def buffer_for(self, bucket: Bucket) -> tuple[torch.Tensor, int | None]:
+        return self.buffers[bucket.index], self.crcs[bucket.index]
+
+
+@dataclass
+class _Published:
+    version: int
+    weights: Any  # the model (or mapping): tensors are fetched when the snapshot is taken
+    ready: Any    # the stream marker recorded by publish()
+
+
+@dataclass
+class _State:
+    """Everything the trainer and the two threads share, guarded by one condition variable."""
+
+    published: _Published | None = None      # the latest-wins slot publish() fills
+    ready: Snapshot | None = None            # the latest-wins slot the sender takes from
+    writing: Snapshot | None = None
+    sending: Snapshot | None = None
+    last_published: int = 0
+    last_snapshot: int = 0
+    last_marker: Any = None
+    closing: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
+class SyncWorker:
+    """Snapshotter and sender threads between the trainer and ``Transfer`` (see the module doc)."""
+
+    def __init__(self, transfer: Transfer, plan: BucketPlan, packer: PackBackend, streams: StreamSet, metrics: SyncMetrics):
+        self.transfer, self.plan, self.packer, self.streams, self.metrics = transfer, plan, packer, streams, metrics
+        device = transfer.group.device
+        self._sets = [Snapshot.allocate(plan, device), Snapshot.allocate(plan, device)]
+        self._cond = threading.Condition()
+        self._s = _State()
+        self._threads = [
+            threading.Thread(target=self._snapshot_loop, name="asyncsync-snapshot", daemon=True),
+            threading.Thread(target=self._send_loop, name="asyncsync-send", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- trainer side ---------------------------------------------------------------------------
+
+    def publish(self, weights: Any, version: int) -> None:
+        """O(1): never waits for a server, the network or the previous sync."""
+        marker = self.streams.params_ready()
+        with self._cond:
+            if version <= self._s.last_published:
+                raise ValueError(f"version {version} is not newer than the last published {self._s.last_published}")
+            if self._s.closing:
+                raise RuntimeError("publish() after close()")
+            overtaken = self._s.published
+            self._s.published = _Published(version, weights, marker)
+            self._s.last_published = version
+            self._cond.notify_all()
+        self.metrics.count("published")
+        if overtaken is not None:
+            self.metrics.count("superseded")
+
+    def wait_snapshot(self) -> None:
+        """Hold the trainer until the last published version has been copied out (the only wait)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self._s.last_snapshot >= self._s.last_published or self._snapshotter_dead())
+            marker = self._s.last_marker
+        if marker is not None:
+            self.streams.compute_wait(marker)
+        self.metrics.stalled(time.perf_counter() - t0)
+
+    def wait_served(self, version: int, timeout: float | None = None) -> bool:
+        """Wait until every server serves ``version`` or later (for a trainer that must not run ahead)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: min(self.transfer.server_versions.values(), default=version) >= version or self._s.closing,
+                timeout,
+            )
+
+    @property
+    def errors(self) -> list[str]:
+        with self._cond:
+            return list(self._s.errors)
+
+    def close(self) -> None:
+        """Drain: every published version is sent or superseded, then the threads stop."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._idle() or not all(t.is_alive() for t in self._threads))
+            self._s.closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _idle(self) -> bool:
+        s = self._s
+        return s.published is None and s.writing is None and s.ready is None and s.sending is None
+
+    def _snapshotter_dead(self) -> bool:
+        return not self._threads[0].is_alive()
+
+    # -- snapshotter thread ---------------------------------------------------------------------
+
+    def _snapshot_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._s.published is not None or self._s.closing)
+                if self._s.published is None:
+                    return
+                item, self._s.published = self._s.published, None
+                target = self._free_set()
+                self._s.writing = target
+            try:
+                self._take(item, target)
+            except Exception as e:  # a bad model layout: report it, keep the trainer going
+                log.exception("snapshot of version %d failed", item.version)
+                with self._cond:
+                    self._s.errors.append(f"version {item.version}: snapshot failed: {e}")
+                    self._s.writing = None
+                    self._s.last_snapshot = max(self._s.last_snapshot, item.version)
+                    self._cond.notify_all()
+                self.metrics.count("failed")
+                continue
+            with self._cond:
+                self._s.writing = None
+                self._s.ready = target
+                self._s.last_snapshot = max(self._s.last_snapshot, item.version)
+                self._s.last_marker = target.done
+                self._cond.notify_all()
+
+    def _free_set(self) -> Snapshot:
+        """The set the sender is not using; a snapshot waiting in it unsent is superseded."""
+        target = next(s for s in self._sets if s is not self._s.sending)
+        if self._s.ready is target:
+            self._s.ready = None
+            self.metrics.count("superseded")
+        return target
+
+    def _take(self, item: _Published, target: Snapshot) -> None:
+        t0 = time.perf_counter()
+        named = named_tensors(item.weights)
+        if not self.plan.matches(named):
+            raise ValueError("the model's names, dtypes or shapes changed after connect(); reconnect to re-plan")
+        checksum = self.transfer.config.checksum
+        with self.streams.copying(after=item.ready):
+            for bucket in self.plan.buckets:
+                tensors = [named[s.name] for s in bucket.specs]
+                target.crcs[bucket.index] = self.packer.pack(tensors, bucket.offsets, target.buffers[bucket.index], checksum)
+            target.done = self.streams.snapshot_done()
+        target.version = item.version
+        target.started = t0
+        target.snapshot_s = time.perf_counter() - t0
+
+    # -- sender thread --------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._s.ready is not None or (self._s.closing and self._idle()))
+                if self._s.ready is None:
+                    return
+                snap, self._s.ready = self._s.ready, None
+                self._s.sending = snap
+            try:
+                self.streams.comm_wait(snap.done)
+                result = SyncResult(
+                    snap.version, self.plan.total_bytes, len(self.plan.buckets), snapshot_s=snap.snapshot_s, started=snap.started
+                )
+                self.transfer.send(snap.version, self.plan, snap.buffer_for, result=result)
+                self.metrics.record(result)
+                self.metrics.count("sent")
+            except Exception as e:
+                log.error("sync of version %d failed: %s", snap.version, e)
+                self.metrics.count("failed")
+                with self._cond:
+                    self._s.errors.append(f"version {snap.version}: {e}")
+            with self._cond:
+                self._s.sending = None
+                self._cond.notify_all()

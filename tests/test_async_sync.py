@@ -1,0 +1,195 @@
+"""The asynchronous runtime: wait-free publish, no torn versions, supersession, monotonic versions, drain."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync.server.receiver import tensor_bytes
+from asyncsync.testing import ServerProcess, mixed_dtype_model
+
+from conftest import TINY
+
+
+def digest(model: torch.nn.Module) -> dict[str, str]:
+    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
+
+
+def train_step(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Stands in for optimizer.step(): changes every parameter and buffer in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((torch.randn(p.shape, generator=g) * 0.01).to(p.dtype))
+        model.token_counts += 1
+
+
+@pytest.fixture(scope="module")
+def slow_servers() -> Iterator[list[ServerProcess]]:
+    """Two servers that sleep up to 50 ms before each swap-in, so versions pile up and supersede."""
+    servers = [ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=0.05) for _ in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def async_config(servers: list[ServerProcess]) -> WeightSyncConfig:
+    return WeightSyncConfig.from_dict(
+        {"async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": "16KiB"}
+    )
+
+
+class Watcher:
+    """Polls every server's (version, digest) while training runs: each sample must be a whole version."""
+
+    def __init__(self, servers: list[ServerProcess]):
+        self.servers = servers
+        self.samples: dict[str, list[tuple[int, dict[str, str]]]] = {s.url: [] for s in servers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for _ in range(2000):  # bounded
+            if self._stop.is_set():
+                return
+            for s in self.servers:
+                got = s.get("/weights/digest")
+                self.samples[s.url].append((got["version"], got["digest"]))
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def run_training(sync: WeightSync, model: torch.nn.Module, steps: int, seed: int, pause_s: float) -> dict[int, dict[str, str]]:
+    """The DESIGN.md loop; returns the digest of the weights at every publish."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    published = {}
+    for version in range(1, steps + 1):
+        sync.wait_snapshot()
+        train_step(model, g)
+        published[version] = digest(model)
+        sync.publish(model, version)
+        # Right after publish the trainer goes on: the next step changes the weights again.
+        threading.Event().wait(rng.uniform(0, pause_s))
+    return published
+
+
+def check_run(sync: WeightSync, servers: list[ServerProcess], published: dict[int, dict[str, str]],
+              watcher: Watcher) -> None:
+    last = max(published)
+    metrics = sync.metrics.as_dict()
+    sent = [r.version for r in sync.metrics.history]
+    assert metrics["failed"] == 0 and sync.errors == []
+    assert metrics["published"] == len(published)
+    assert metrics["published"] == metrics["sent"] + metrics["superseded"]
+    assert sent == sorted(sent) and len(set(sent)) == len(sent), "versions are sent in order, once"
+    assert sent[-1] == last, "close() drained the last version"
+    for server in servers:
+        applied = [v for v in server.get("/version")["applied"] if v in published]  # this run's versions
+        assert applied == sent, "a server applies exactly the versions sent, in order"
+        assert server.get("/weights/digest") == {"version": last, "digest": published[last]}
+        seen = [v for v, _ in watcher.samples[server.url]]
+        assert seen == sorted(seen), "a server's version never goes backwards"
+        for version, weights in watcher.samples[server.url]:
+            if version in published:  # not a version left by an earlier test
+                assert version in sent, f"superseded version {version} was applied"
+                assert weights == published[version], f"version {version} is torn or differs from the publish"
+
+
+def test_async_versions_are_whole_monotonic_and_drained(slow_servers):
+    model = mixed_dtype_model(TINY)
+    sync = WeightSync(async_config(slow_servers))
+    try:
+        sync.connect(model)
+        with Watcher(slow_servers) as watcher:
+            published = run_training(sync, model, steps=25, seed=1, pause_s=0.01)
+            sync.close()
+        check_run(sync, slow_servers, published, watcher)
+        assert sync.metrics.superseded > 0, "servers slower than the trainer must make versions supersede"
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_stress_random_delays(slow_servers, seed):
+    """Random pauses in the trainer and random sleeps in the servers' apply, repeated."""
+    model = mixed_dtype_model(TINY)
+    with torch.no_grad():
+        model.token_counts.fill_(seed * 1000)
+    start = max(s.get("/version")["version"] for s in slow_servers)
+    sync = WeightSync(async_config(slow_servers))
+    try:
+        sync.connect(model)
+        with Watcher(slow_servers) as watcher:
+            # Versions keep increasing across runs against the same servers.
+            rng = random.Random(seed)
+            g = torch.Generator().manual_seed(seed)
+            published = {}
+            for version in range(start + 1, start + 16):
+                sync.wait_snapshot()
+                train_step(model, g)
+                published[version] = digest(model)
+                sync.publish(model, version)
+                threading.Event().wait(rng.uniform(0, 0.08))
+            sync.close()
+        check_run(sync, slow_servers, published, watcher)
+    finally:
+        sync.close()
+
+
+def test_publish_returns_before_servers_apply(slow_servers):
+    model = mixed_dtype_model(TINY)
+    start = max(s.get("/version")["version"] for s in slow_servers)
+    with WeightSync(async_config(slow_servers)) as sync:
+        sync.connect(model)
+        sync.publish(model, start + 1)
+        # publish is O(1): the worker has at most begun; nothing can have been applied yet
+        # because every server sleeps before its swap-in.
+        assert sync.metrics.sent == 0
+        with pytest.raises(ValueError, match="not newer"):
+            sync.publish(model, start + 1)
+        assert sync.wait_for_fresh_servers(start + 1 + sync.config.max_staleness, timeout=60)
+        assert all(v >= start + 1 for v in sync.server_versions.values())
+    assert sync.metrics.sent == 1
+
+
+def test_staleness_helpers():
+    cfg = WeightSyncConfig.from_dict({"servers": ["http://127.0.0.1:1"], "max_staleness": 2})
+    sync = WeightSync(cfg)
+    rollouts = [{"v": v} for v in (3, 5, 6, 8)]
+    kept, dropped = sync.filter_fresh(rollouts, lambda r: r["v"], trainer_version=8)
+    assert [r["v"] for r in kept] == [6, 8] and dropped == 2
+    assert sync.is_fresh(6, 8) and not sync.is_fresh(5, 8)
+
+
+def test_metrics_dict_and_prometheus(two_servers):
+    model = mixed_dtype_model(TINY)
+    start = max(s.get("/version")["version"] for s in two_servers)
+    cfg = WeightSyncConfig.from_dict({"async_weight_update": True, "servers": [s.url for s in two_servers]})
+    with WeightSync(cfg) as sync:
+        sync.connect(model)
+        sync.publish(model, start + 1)
+    m = sync.metrics.as_dict()
+    assert m["sent"] == 1 and m["last"]["version"] == start + 1
+    assert m["last"]["nbytes"] == sum(t.nbytes for t in model.state_dict().values())
+    for phase in ("snapshot_s", "wire_s", "apply_s", "total_s", "gbps"):
+        assert m["last"][phase] > 0
+    text = sync.prometheus_text()
+    assert 'asyncsync_versions_total{outcome="sent"} 1.0' in text
+    assert "asyncsync_sync_phase_seconds_bucket" in text

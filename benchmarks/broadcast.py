@@ -25,7 +25,7 @@ from asyncsync.config import parse_bytes
 from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.plan import named_tensors
-from asyncsync.testing import ServerProcess
+from asyncsync.server.launch import ServerProcess
 from benchmarks.common import RESULTS, median_time, write_json
 
 QWEN2_05B_HALF = ModelConfig(

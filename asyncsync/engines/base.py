@@ -4,11 +4,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import HttpClient
+from asyncsync.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 from asyncsync.dataplane import GroupSpec
 from asyncsync.wire import UpdateRequest
+
+
+@dataclass(frozen=True)
+class Generation:
+    """``n`` completions of one prompt and the weight version that generated them."""
+
+    completions: list[list[int]]
+    version: int
+
+
+@dataclass(frozen=True)
+class DataPlaneProtocol:
+    """How a kind of receiver takes part in its data-plane group. The trainer builds one group per
+    protocol (servers whose protocols are equal share it) and broadcasts every bucket into each."""
+
+    name: str
+    warmup: bool               # every member joins with one warm-up broadcast
+    checksum_manifest: bool    # a request with ``checksum`` is followed by the CRC32C manifest broadcast
+    single_dtype_buckets: bool  # every bucket must hold tensors of one dtype
+
+
+# asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
+ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False)
 
 
 class EngineClient(ABC):
@@ -23,17 +48,22 @@ class EngineClient(ABC):
             await client.update(request)              # answered after the server received the buckets;
                                                       # the trainer broadcasts them concurrently
             live = await client.end(version)          # the server now serves `live`
+        gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
         await client.close()
 
     ``update`` is sent before the broadcast starts and awaited after it, so no collective ever waits
-    on an HTTP answer. Every call raises ``ServerError`` naming the server on failure.
+    on an HTTP answer. Every call raises ``ServerError`` naming the server on failure. Engine
+    policies (pausing generation, resetting the prefix cache) live in ``begin`` and ``end``; a client
+    whose ``begin`` or ``update`` fails undoes its policies itself, because ``end`` is not called then.
     """
 
     kind: str
+    protocol: ClassVar[DataPlaneProtocol] = ASYNCSYNC_PROTOCOL
+    keepalive_s: ClassVar[float] = CLIENT_KEEPALIVE_S  # must stay below the server's idle timeout
 
     def __init__(self, server: ServerConfig, timeout_s: float):
         self.server = server
-        self.http = HttpClient(server.base_url, server.token, timeout_s)
+        self.http = HttpClient(server.base_url, server.token, timeout_s, self.keepalive_s)
 
     @property
     def url(self) -> str:
@@ -57,8 +87,27 @@ class EngineClient(ABC):
     @abstractmethod
     async def version(self) -> int: ...
 
+    @abstractmethod
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
+        """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS)."""
+
+    async def health(self) -> None:
+        """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""
+        await self.http.get("/health")
+
     async def close(self) -> None:
         await self.http.close()
+
+
+def parse_weight_version(url: str, value: Any) -> int:
+    """A version reported by vLLM or SGLang (a string; ``"default"`` or null before any update) as an int."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ServerError(url, f"reports weight version {value!r}, which asyncsync did not set: "
+                               "versions set by asyncsync are integers") from None
 
 
 _ENGINES: dict[str, type[EngineClient]] = {}

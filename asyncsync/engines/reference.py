@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncsync.dataplane import GroupSpec
-from asyncsync.engines.base import EngineClient, register_engine
+from asyncsync.engines.base import EngineClient, Generation, register_engine
 from asyncsync.wire import InitGroupRequest, UpdateRequest, VersionRequest
 
 
@@ -26,3 +26,8 @@ class ReferenceEngine(EngineClient):
 
     async def version(self) -> int:
         return int((await self.http.get("/version"))["version"])
+
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
+        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        out = await self.http.post("/generate", body)
+        return Generation(out["completions"], int(out["weight_version"]))

@@ -1,0 +1,97 @@
+"""``GRPOConfig``: the trainer's settings, the policy's shape and the weight sync, from one YAML file.
+
+Any key can be overridden from the command line as ``dotted.key=value`` (the value is parsed as
+YAML), e.g. ``weight_sync.async_weight_update=true steps=20``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.grpo.task import VOCAB_SIZE
+from asyncsync.models import ModelConfig
+
+_NESTED = {"policy": ModelConfig, "weight_sync": WeightSyncConfig}
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """One GRPO run. With ``weight_sync.servers`` empty the run starts ``num_servers`` embedded
+    reference servers itself and stops them at the end."""
+
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    lr: float = 1e-3
+    clip_eps: float = 0.2
+    ppo_epochs: int = 2
+    seed: int = 0
+    num_servers: int = 2
+    simulate_step_s: float = 0.0
+    policy: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128))
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "num_servers"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{key}: expected an integer >= 1, got {v!r}")
+        if self.group_size < 2:
+            raise ConfigError(f"group_size: GRPO normalises rewards within a group, so it needs >= 2, got {self.group_size}")
+        for key in ("temperature", "lr", "clip_eps", "simulate_step_s"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{key}: expected a number >= 0, got {v!r}")
+        if self.temperature == 0:
+            raise ConfigError("temperature: GRPO needs sampling; use a temperature > 0")
+        if self.policy.vocab_size < VOCAB_SIZE:
+            raise ConfigError(f"policy.vocab_size: the addition task needs at least {VOCAB_SIZE} tokens")
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> GRPOConfig:  # type: ignore[assignment]
+        data: dict[str, Any] = {}
+        if path is not None:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        for item in overrides:
+            apply_override(data, item)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GRPOConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("config: expected a mapping at the top level")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown key; valid keys are {sorted(known)}")
+        nested = {}
+        for key, kind in _NESTED.items():
+            if key in data:
+                try:
+                    nested[key] = kind.from_dict(data[key])
+                except ConfigError as e:  # name the section as the user wrote it
+                    raise ConfigError(f"{key}.{str(e).removeprefix('model.')}") from None
+        return cls(**{k: v for k, v in data.items() if k not in _NESTED}, **nested)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``dotted.key=value`` in a nested mapping; the value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. weight_sync.async_weight_update=true")
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw)

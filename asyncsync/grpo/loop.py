@@ -1,0 +1,199 @@
+"""A compact GRPO loop that embeds ``WeightSync`` exactly as DESIGN.md's loop shows.
+
+    sync.connect(policy)
+    for step in range(steps):
+        groups = rollouts.sample(prompts, n)          # each group carries the weight version it used
+        groups = fresh groups only (max_staleness)
+        loss = grpo_loss(policy, groups); loss.backward()
+        sync.wait_snapshot()                          # params may change only after the last snapshot
+        optimizer.step(); optimizer.zero_grad()
+        sync.publish(policy, version=step + 1)
+    sync.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from asyncsync.config import ServerConfig, WeightSyncConfig
+from asyncsync.grpo.config import GRPOConfig
+from asyncsync.grpo.rollout import Group, RolloutClient
+from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
+from asyncsync.models import build_model
+from asyncsync.server.launch import ServerProcess
+from asyncsync.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    reward: float
+    version_lag: int       # trainer version minus the oldest rollout version used
+    dropped: int           # groups dropped as older than max_staleness
+    rollout_s: float
+    train_s: float
+    sync_s: float          # blocking: publish(); async: the background sync that finished last
+    stall_s: float         # time held in wait_snapshot() + publish()
+    step_s: float
+    tokens: int
+
+
+@dataclass
+class RunSummary:
+    mode: str
+    steps: int
+    wall_s: float
+    steps_per_s: float
+    tokens_per_s: float
+    reward_first: float
+    reward_last: float
+    max_version_lag: int
+    records: list[StepRecord] = field(default_factory=list)
+    sync_metrics: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def grpo_loss(policy: torch.nn.Module, groups: Sequence[Group], rewards: Sequence[Sequence[float]],
+              old_logp: torch.Tensor | None, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped policy-gradient loss with group-normalised advantages; returns (loss, token logprobs)."""
+    ids = torch.tensor([list(g.prompt) + list(c) for g in groups for c in g.completions])
+    prompt_len = len(groups[0].prompt)
+    logits = policy(input_ids=ids[:, :-1]).logits[:, prompt_len - 1 :, :]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).reshape(-1, 1)
+    ratio = torch.exp(logp - (old_logp if old_logp is not None else logp.detach()))
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv).mean()
+    return loss, logp.detach()
+
+
+@contextlib.contextmanager
+def servers_for(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
+    """The configured servers, or ``num_servers`` embedded reference servers stopped on exit (Ctrl-C too)."""
+    if cfg.weight_sync.servers:
+        yield cfg.weight_sync.servers
+        return
+    procs = [ServerProcess(build_model, (cfg.policy,)) for _ in range(cfg.num_servers)]
+    try:
+        for p in procs:
+            p.start()
+        log.info("started %d embedded reference server(s): %s (pids %s)", len(procs),
+                 " ".join(p.url for p in procs), " ".join(str(p.process.pid) for p in procs))
+        yield tuple(ServerConfig(url=p.url) for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+        log.info("stopped the embedded reference servers")
+
+
+def run_grpo(cfg: GRPOConfig, progress: bool = False, make_sync: Callable[[WeightSyncConfig], Any] = WeightSync) -> RunSummary:
+    """Train ``cfg.policy`` on the addition task with rollouts from the servers; returns the summary.
+
+    ``make_sync`` builds the weight sync from the config (benchmarks pass a no-op one for a baseline)."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    mode = "async" if cfg.weight_sync.async_weight_update else "blocking"
+    with servers_for(cfg) as servers:
+        policy = build_model(cfg.policy).train()
+        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        sync = make_sync(cfg.weight_sync.replace(servers=servers))
+        rollouts = RolloutClient(servers, cfg.weight_sync.deadlines.http_s)
+        bar = _progress(cfg.steps, mode) if progress else None
+        records: list[StepRecord] = []
+        try:
+            sync.connect(policy)
+            version = max(sync.server_versions.values())
+            start = time.perf_counter()
+            for step in range(cfg.steps):
+                record = _step(cfg, step, version, policy, optimizer, sync, rollouts, rng)
+                version += 1
+                records.append(record)
+                if bar is not None:
+                    bar.set_postfix(reward=f"{record.reward:.2f}", lag=record.version_lag, sync_ms=f"{record.sync_s * 1e3:.0f}")
+                    bar.update()
+            sync.close()  # drain inside the timed region: the last version reaches every server
+            wall = time.perf_counter() - start
+        finally:
+            if bar is not None:
+                bar.close()
+            sync.close()
+            rollouts.close()
+    rewards = [r.reward for r in records]
+    k = max(1, len(rewards) // 10)
+    return RunSummary(
+        mode=mode, steps=len(records), wall_s=wall, steps_per_s=len(records) / wall,
+        tokens_per_s=sum(r.tokens for r in records) / wall,
+        reward_first=statistics.mean(rewards[:k]), reward_last=statistics.mean(rewards[-k:]),
+        max_version_lag=max(r.version_lag for r in records), records=records, sync_metrics=sync.metrics.as_dict(),
+    )
+
+
+def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          sync: Any, rollouts: RolloutClient, rng: random.Random) -> StepRecord:
+    t0 = time.perf_counter()
+    problems = sample_problems(cfg.prompts_per_step, rng)
+    groups, dropped = _fresh_groups(cfg, problems, version, sync, rollouts, seed=cfg.seed * 100_003 + step * 1009)
+    kept = [p for p, g in zip(problems, groups) if g is not None]
+    groups = [g for g in groups if g is not None]
+    rewards = [[p.reward(list(c)) for c in g.completions] for p, g in zip(kept, groups)]
+    t1 = time.perf_counter()
+    if cfg.simulate_step_s:
+        time.sleep(cfg.simulate_step_s)  # a simulated accelerator: the host waits while the "GPU" computes
+    old_logp, stall = None, 0.0
+    for epoch in range(cfg.ppo_epochs):
+        loss, logp = grpo_loss(policy, groups, rewards, old_logp, cfg.clip_eps)
+        old_logp = logp if old_logp is None else old_logp
+        loss.backward()
+        if epoch == 0:
+            s0 = time.perf_counter()
+            sync.wait_snapshot()  # the first parameter change since the last publish comes next
+            stall += time.perf_counter() - s0
+        optimizer.step()
+        optimizer.zero_grad()
+    t2 = time.perf_counter()
+    result = sync.publish(policy, version + 1)
+    t3 = time.perf_counter()
+    last = result or sync.metrics.last
+    return StepRecord(
+        step=step, reward=statistics.mean(x for rs in rewards for x in rs),
+        version_lag=version - min(g.version for g in groups), dropped=dropped,
+        rollout_s=t1 - t0, train_s=t2 - t1 - stall, sync_s=last.total_s if last else 0.0,
+        stall_s=stall + (t3 - t2), step_s=t3 - t0,
+        tokens=sum(len(c) for g in groups for c in g.completions),
+    )
+
+
+def _fresh_groups(cfg: GRPOConfig, problems: list[Problem], version: int, sync: Any,
+                  rollouts: RolloutClient, seed: int) -> tuple[list[Group | None], int]:
+    """Sample every prompt's group; drop groups older than ``max_staleness`` and resample them once
+    every server is fresh enough (only async mode can fall that far behind)."""
+    groups: list[Group | None] = list(rollouts.sample([p.prompt for p in problems], cfg.group_size, ANSWER_LEN, cfg.temperature, seed))
+    stale = [i for i, g in enumerate(groups) if g is not None and not sync.is_fresh(g.version, version)]
+    if stale:
+        if not sync.wait_for_fresh_servers(version, timeout=cfg.weight_sync.deadlines.http_s):
+            raise RuntimeError(f"no server came within max_staleness={cfg.weight_sync.max_staleness} of version {version}")
+        again = rollouts.sample([problems[i].prompt for i in stale], cfg.group_size, ANSWER_LEN, cfg.temperature, seed + 1)
+        for i, g in zip(stale, again):
+            groups[i] = g if sync.is_fresh(g.version, version) else None
+    if all(g is None for g in groups):
+        raise RuntimeError("every rollout group was older than max_staleness")
+    return groups, len(stale)
+
+
+def _progress(steps: int, mode: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc=f"GRPO ({mode} sync)", unit="step", dynamic_ncols=True)

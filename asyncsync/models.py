@@ -15,7 +15,7 @@ import torch
 from asyncsync.config import ConfigError, _build
 from asyncsync.plan import dtype_from_name
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "float32"
     seed: int = 0
+    # qwen2_moe only: many parameters, few FLOPs per token, the shape where a sync weighs most.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"model.family: {self.family!r} is not one of {list(FAMILIES)}")
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"model.{f}: expected a positive integer, got {v!r}")
@@ -66,6 +71,14 @@ class ModelConfig:
             from transformers import Qwen2Config
 
             return Qwen2Config(**common)
+        if self.family == "qwen2_moe":
+            from transformers import Qwen2MoeConfig
+
+            return Qwen2MoeConfig(
+                **common, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, shared_expert_intermediate_size=self.moe_intermediate_size,
+                decoder_sparse_step=1,
+            )
         from transformers import LlamaConfig
 
         return LlamaConfig(**common)

@@ -54,6 +54,7 @@ class WeightSync:
         self._worker: SyncWorker | None = None
         self._ring: list[torch.Tensor] = []
         self._last_version = 0
+        self._versions_at_close: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig | Mapping[str, Any] | str | Path) -> WeightSync:
@@ -137,8 +138,10 @@ class WeightSync:
 
     @property
     def server_versions(self) -> dict[str, int]:
-        """The version each server serves, as last reported by the server."""
-        return dict(self._transfer.server_versions) if self._transfer else {}
+        """The version each server serves, as last reported by the server (kept after close())."""
+        if self._transfer is not None:
+            self._versions_at_close = dict(self._transfer.server_versions)
+        return dict(self._versions_at_close)
 
     def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
         """True when a rollout generated with ``rollout_version`` is within ``max_staleness``."""
@@ -174,6 +177,7 @@ class WeightSync:
             self._worker.close()
             self._worker = None
         if self._transfer is not None:
+            self._versions_at_close = dict(self._transfer.server_versions)
             self._transfer.close()
             self._transfer = None
 

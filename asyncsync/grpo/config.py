@@ -94,4 +94,15 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: '{part}' is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = _scalar(raw)
+
+
+def _scalar(raw: str) -> Any:
+    """YAML's reading of a value, plus numbers YAML 1.1 leaves as strings (``1e-4``)."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value

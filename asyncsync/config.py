@@ -40,15 +40,23 @@ def parse_bytes(value: int | str, key: str) -> int:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """One inference server: its kind, its control URL and an optional bearer token."""
+    """One inference server: its kind, its control URL, an optional bearer token, and the update
+    policies of vLLM and SGLang servers (the reference server swaps versions atomically and needs none):
+    ``pause`` stops generation from ``begin`` to ``end`` so no token mixes versions, and
+    ``reset_prefix_cache`` drops KV computed with the old weights once the new ones are in."""
 
     url: str
     kind: str = "reference"
     token: str | None = None
+    pause: bool = True
+    reset_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ConfigError(f"servers[].kind: {self.kind!r} is not one of {list(ENGINE_KINDS)}")
+        for name in ("pause", "reset_prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"servers[].{name}: expected true or false, got {getattr(self, name)!r}")
         if not re.match(r"^https?://[^/\s]+", self.url):
             raise ConfigError(f"servers[].url: {self.url!r} is not an http(s) URL such as http://127.0.0.1:8000")
 

@@ -2,17 +2,25 @@
 
 The trainer's code is synchronous; everything that talks HTTP runs on this loop, submitted from the
 trainer or the sync worker with ``ControlLoop.submit``. Each server gets its own ``ClientSession``
-and ``TCPConnector`` reused for every call, with a keep-alive shorter than the servers' (aiohttp's
-server closes idle connections after 75 s; reusing a socket it just closed gives ECONNRESET).
+and ``TCPConnector`` reused for every call, with a keep-alive shorter than the server's: reusing a
+socket the server just closed as idle gives ECONNRESET. Servers close idle sockets after 75 s
+(aiohttp, the reference server) or 5 s (uvicorn: vLLM and SGLang), so each engine kind picks its own.
+
+Every call has a deadline covering all its attempts. Only idempotent calls (reads such as
+``/version``) are retried, with exponential backoff, and only after failures that say nothing was
+done (no connection, or 502/503/504): an update that may have been applied is never sent twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -20,15 +28,23 @@ import aiohttp
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CLIENT_KEEPALIVE_S = 30.0
+AIOHTTP_SERVER_KEEPALIVE_S = 75.0  # aiohttp.web's default idle timeout
+UVICORN_KEEPALIVE_S = 5.0          # uvicorn's default, used by vLLM and SGLang
+CLIENT_KEEPALIVE_S = 30.0          # default for our pools: well below the aiohttp server's
+RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
 class ServerError(RuntimeError):
     """A server answered with an error or not at all; the message names the server and the call."""
 
-    def __init__(self, url: str, message: str, status: int | None = None):
+    def __init__(self, url: str, message: str, status: int | None = None, timed_out: bool = False):
         super().__init__(f"{url}: {message}")
-        self.url, self.status = url, status
+        self.url, self.status, self.timed_out = url, status, timed_out
+
+    @property
+    def transient(self) -> bool:
+        """The server was unreachable or said it is momentarily unable to answer: nothing was done."""
+        return self.status in RETRYABLE_STATUS or (self.status is None and not self.timed_out)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -62,44 +78,103 @@ class ControlLoop:
         self.loop.close()
 
 
-class HttpClient:
-    """One server's pooled connection: JSON calls with a deadline and an optional bearer token."""
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts and backoff for idempotent calls; the delay doubles after each failed attempt."""
 
-    def __init__(self, base_url: str, token: str | None = None, default_timeout_s: float = 120.0):
+    attempts: int = 4
+    first_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.first_delay_s * 2**attempt, self.max_delay_s)
+
+
+class HttpClient:
+    """One server's pooled connections: JSON calls with a deadline and an optional bearer token.
+
+    ``get`` is retried (see ``RetryPolicy``); ``post`` is not, unless the caller says the call is
+    idempotent. Any failure becomes a ``ServerError`` naming the server, the call and the cause.
+    """
+
+    def __init__(self, base_url: str, token: str | None = None, default_timeout_s: float = 120.0,
+                 keepalive_s: float = CLIENT_KEEPALIVE_S, retry: RetryPolicy = RetryPolicy()):
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout_s = default_timeout_s
+        self._keepalive_s = keepalive_s
+        self._retry = retry
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=8, keepalive_timeout=CLIENT_KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(limit=8, keepalive_timeout=self._keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
-        """Call ``path`` and return the decoded JSON; any failure becomes a ``ServerError``."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeout_s)
-        url = self.base_url + path
+    async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None,
+                      timeout_s: float | None = None, idempotent: bool = False,
+                      params: Mapping[str, str] | None = None) -> Any:
+        """Call ``path`` and return the decoded JSON (or text, or None for an empty body).
+
+        The deadline ``timeout_s`` bounds the whole call, retries included.
+        """
+        deadline = time.monotonic() + (timeout_s or self._timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return await self._once(method, path, body, params, deadline - time.monotonic())
+            except ServerError as e:
+                attempt += 1
+                pause = self._retry.delay(attempt - 1)
+                if not (idempotent and e.transient) or attempt >= self._retry.attempts or time.monotonic() + pause >= deadline:
+                    raise
+                log.info("%s: retrying %s %s in %.2fs (attempt %d of %d): %s",
+                         self.base_url, method, path, pause, attempt + 1, self._retry.attempts, e)
+                await asyncio.sleep(pause)
+
+    async def _once(self, method: str, path: str, body: Mapping[str, Any] | None,
+                    params: Mapping[str, str] | None, timeout_s: float) -> Any:
+        where = f"{method} {path}"
         try:
-            async with self._get_session().request(method, url, json=body, timeout=timeout) as resp:
-                data = await resp.json(content_type=None) if resp.content_length != 0 else None
+            async with self._get_session().request(
+                method, self.base_url + path, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                data = _decode(await resp.text())
                 if resp.status >= 400:
-                    detail = data.get("error") if isinstance(data, dict) else data
-                    raise ServerError(self.base_url, f"{method} {path} -> HTTP {resp.status}: {detail}", resp.status)
+                    raise ServerError(self.base_url, f"{where} -> HTTP {resp.status}: {_detail(data)}", resp.status)
                 return data
         except asyncio.TimeoutError:
-            raise ServerError(self.base_url, f"{method} {path} got no answer within {timeout.total}s") from None
+            raise ServerError(self.base_url, f"{where} got no answer within {timeout_s:.1f}s", timed_out=True) from None
         except aiohttp.ClientError as e:
-            raise ServerError(self.base_url, f"{method} {path} failed: {e!r}") from e
+            raise ServerError(self.base_url, f"{where} failed: {e!r}") from e
 
-    async def get(self, path: str, timeout_s: float | None = None) -> Any:
-        return await self.request("GET", path, None, timeout_s)
+    async def get(self, path: str, timeout_s: float | None = None, params: Mapping[str, str] | None = None) -> Any:
+        return await self.request("GET", path, None, timeout_s, idempotent=True, params=params)
 
-    async def post(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> Any:
-        return await self.request("POST", path, body, timeout_s)
+    async def post(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                   params: Mapping[str, str] | None = None, idempotent: bool = False) -> Any:
+        """``idempotent=True`` only for a call that is harmless to repeat, such as resuming generation."""
+        return await self.request("POST", path, body, timeout_s, idempotent, params)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _decode(text: str) -> Any:
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _detail(data: Any) -> Any:
+    """The error message inside the body shapes our servers, vLLM (FastAPI) and SGLang answer with."""
+    if isinstance(data, dict):
+        detail = data.get("error") or data.get("message") or data.get("detail") or data
+        return detail.get("message", detail) if isinstance(detail, dict) else detail
+    return data

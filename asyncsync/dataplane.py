@@ -2,12 +2,14 @@
 
 Groups are built without touching torch.distributed's global default group (a trainer already has
 one for its own training, and a server may have one for tensor parallelism): a TCPStore rendezvous,
-then a backend-specific process group object used directly. The store is prefixed exactly as
-SGLang's ``init_custom_process_group`` prefixes it (``tcp://host:port`` then ``group_name/``), so the
-same group is joinable by asyncsync's receivers and by SGLang's.
+then a backend-specific process group object used directly. Keys and the start-up handshake are
+exactly those of SGLang's ``init_custom_process_group`` (``PrefixStore(group_name)``, then torch's
+``_new_process_group_helper`` adds ``group_name/`` and the device type, and the backend exchanges a
+sequence number through the store), so an SGLang server joins the trainer's group as it is.
 
-Every group is warmed with one small broadcast right after creation: a lazily initialised NCCL
-communicator deadlocks when its first use comes under memory pressure in the middle of a sync.
+asyncsync's own receivers warm every group with one small broadcast right after creation: a lazily
+initialised NCCL communicator deadlocks when its first use comes under memory pressure in the middle
+of a sync. SGLang does not take part in such a broadcast, so its groups are joined with ``warmup=False``.
 """
 
 from __future__ import annotations
@@ -73,22 +75,23 @@ class DataPlaneGroup:
         self.spec, self.rank, self._store, self._pg, self.device = spec, rank, store, pg, device
 
     @classmethod
-    def join(cls, spec: GroupSpec, rank: int) -> DataPlaneGroup:
+    def join(cls, spec: GroupSpec, rank: int, warmup: bool = True) -> DataPlaneGroup:
+        """Join as ``rank``; blocks until every rank joined. Every member must agree on ``warmup``."""
         timeout = timedelta(seconds=spec.timeout_s)
         try:
             store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
             raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
-        prefixed = PrefixStore(f"{spec.group_name}/", PrefixStore(f"tcp://{spec.host}:{spec.port}", store))
         try:
-            pg, device = _make_process_group(spec.backend, prefixed, rank, spec.world_size, timeout)
+            pg, device = _make_process_group(spec, store, rank, timeout)
         except Exception as e:
             raise DataPlaneError(
                 f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
                 f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
             ) from e
         group = cls(spec, rank, store, pg, device)
-        group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))  # warm-up
+        if warmup:
+            group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
         log.info("rank %d joined data-plane group %s (%s, world %d)", rank, spec.group_name, spec.backend, spec.world_size)
         return group
 
@@ -130,16 +133,22 @@ class DataPlaneGroup:
         self._store = None
 
 
-def _make_process_group(backend: str, store: PrefixStore, rank: int, world_size: int, timeout: timedelta) -> tuple[Any, torch.device]:
-    if backend == "gloo":
+def _make_process_group(spec: GroupSpec, store: TCPStore, rank: int, timeout: timedelta) -> tuple[Any, torch.device]:
+    """The backend's process group over SGLang's key layout: ``{name}/{name}//{device}//<key>``."""
+    named = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
+    if spec.backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu")
-    if backend == "nccl":  # unexercised on this project's CPU-only machines
+        pg: Any = ProcessGroupGloo(PrefixStore("cpu/", named), rank, spec.world_size, timeout)
+        device = torch.device("cpu")
+    elif spec.backend == "nccl":  # unexercised on this project's CPU-only machines
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         device = torch.device("cuda", torch.cuda.current_device())
-        return ProcessGroupNCCL(store, rank, world_size, opts), device
-    raise DataPlaneError(f"unknown data-plane backend {backend!r}; expected 'gloo' or 'nccl'")
+        pg = ProcessGroupNCCL(PrefixStore("cuda/", named), rank, spec.world_size, opts)
+    else:
+        raise DataPlaneError(f"unknown data-plane backend {spec.backend!r}; expected 'gloo' or 'nccl'")
+    pg._set_sequence_number_for_group()  # rank 0 publishes it, the others wait for it: torch does the same
+    return pg, device

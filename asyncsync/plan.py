@@ -105,12 +105,15 @@ class BucketPlan:
     Tensors keep the model's order across buckets; inside a bucket they are sorted by item size
     descending (stable), so every offset is a multiple of its tensor's item size (item sizes are
     powers of two) with no padding: the layout SGLang's ``flattened_bucket`` also requires.
+    With ``single_dtype`` (SGLang's receivers need it) tensors are grouped by dtype first, keeping
+    the model's order within a dtype, and no bucket holds two dtypes.
     """
 
-    def __init__(self, specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, single_dtype: bool = False):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
+        self.single_dtype = single_dtype
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
@@ -118,15 +121,17 @@ class BucketPlan:
         self.buckets: tuple[Bucket, ...] = tuple(self._build())
 
     @classmethod
-    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketPlan:
-        return cls((TensorSpec.of(n, t) for n, t in named), bucket_bytes)
+    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     single_dtype: bool = False) -> BucketPlan:
+        return cls((TensorSpec.of(n, t) for n, t in named), bucket_bytes, single_dtype)
 
     def _build(self) -> Iterator[Bucket]:
         groups: list[list[TensorSpec]] = []
         current: list[TensorSpec] = []
         used = 0
-        for spec in self.specs:
-            if current and used + spec.nbytes > self.bucket_bytes:
+        specs = sorted(self.specs, key=lambda s: (-s.itemsize, dtype_name(s.dtype))) if self.single_dtype else self.specs
+        for spec in specs:
+            if current and (used + spec.nbytes > self.bucket_bytes or (self.single_dtype and spec.dtype != current[0].dtype)):
                 groups.append(current)
                 current, used = [], 0
             current.append(spec)

@@ -87,7 +87,7 @@ class WeightSync:
     def _replan(self, named: Mapping[str, torch.Tensor]) -> None:
         """(Re)build the bucket index and, for blocking mode, the two ring buffers."""
         assert self._transfer is not None
-        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes)
+        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, self._transfer.group.single_dtype_buckets)
         size = self.plan.max_bucket_bytes
         if not self.is_async and (not self._ring or self._ring[0].numel() < size):
             self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfer.group.device) for _ in range(2)]

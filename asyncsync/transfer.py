@@ -12,10 +12,10 @@ import torch
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.control import ControlLoop, ServerError
-from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port, resolve_backend
 from asyncsync.engines import EngineClient, make_engine
 from asyncsync.metrics import SyncResult
 from asyncsync.plan import Bucket, BucketPlan
+from asyncsync.topology import GroupLayout, TrainerGroups
 from asyncsync.wire import BucketMeta, UpdateRequest
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class Transfer:
     last one, under the HTTP deadline: no collective ever waits on an HTTP answer.
     """
 
-    def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: list[EngineClient], group: DataPlaneGroup):
+    def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: list[EngineClient], group: TrainerGroups):
         self.config, self.control, self.engines, self.group = config, control, engines, group
         self.server_versions: dict[str, int] = {e.url: 0 for e in engines}
 
@@ -92,12 +92,17 @@ class Transfer:
         for work in works:
             group.wait(work)
         if cfg.checksum:
-            group.broadcast(torch.tensor(crcs, dtype=torch.int64, device=group.device))
+            group.broadcast_checksums(crcs)
         result.wire_s = time.perf_counter() - start - result.pack_s
         t0 = time.perf_counter()
-        check(received.result(cfg.deadlines.http_s), "update")
-        result.server_versions = self.fanout(lambda e: e.end(version), "end")
-        self.server_versions.update(result.server_versions)
+        updated = received.result(cfg.deadlines.http_s)
+        # End the update wherever it was taken, even when another server failed: vLLM and SGLang
+        # servers stay paused (and vLLM mid-update) until ``end``.
+        took = [e for e in self.engines if not isinstance(updated[e.url], BaseException)]
+        ended = self.control.run(gather(took, lambda e: e.end(version)), cfg.deadlines.http_s)
+        self.server_versions.update({url: v for url, v in ended.items() if not isinstance(v, BaseException)})
+        check(updated, "update")
+        result.server_versions = check(ended, "end")
         result.apply_s = time.perf_counter() - t0
         result.finished = time.perf_counter()
         result.total_s = result.finished - result.started
@@ -114,21 +119,14 @@ class Transfer:
         self.group.close()
 
 
-def _build_group(config: WeightSyncConfig, control: ControlLoop, engines: list[EngineClient]) -> DataPlaneGroup:
-    """Ask each server for its rank count, then form the group: rank 0 here, servers in config order."""
+def _build_group(config: WeightSyncConfig, control: ControlLoop, engines: list[EngineClient]) -> TrainerGroups:
+    """Ask each server for its rank count, then form one group per data-plane protocol: rank 0 here."""
     sizes = check(control.run(gather(engines, lambda e: e.world_size()), config.deadlines.http_s), "world_size")
-    spec = GroupSpec(
-        host=config.master_addr, port=config.master_port or free_port(config.master_addr),
-        world_size=1 + sum(sizes.values()), group_name=config.group_name,
-        backend=resolve_backend(config.backend), timeout_s=config.deadlines.collective_s,
-    )
-    offsets, rank = {}, 1
-    for e in engines:
-        offsets[e.url], rank = rank, rank + sizes[e.url]
-    joined = control.submit(gather(engines, lambda e: e.init_group(spec, offsets[e.url])))
-    group = DataPlaneGroup.join(spec, rank=0)  # returns once every server's ranks joined
+    layout = GroupLayout.of(config, engines, sizes)
+    joined = control.submit(gather(engines, lambda e: e.init_group(*layout.membership(e))))
+    group = layout.join()  # returns once every server's ranks joined
     check(joined.result(config.deadlines.rendezvous_s), "init_group")
-    log.info("data-plane group of %d ranks over %d server(s)", spec.world_size, len(engines))
+    log.info("data-plane groups of %s ranks over %d server(s)", [s.world_size for _, s in layout.groups], len(engines))
     return group
 
 

@@ -13,6 +13,9 @@ Routes (JSON in and out)::
     POST /update            UpdateRequest; answered once every bucket is received and verified
     POST /end               {"version": v} -> {"version": v}   swaps the staged version in
 
+It also speaks SGLang's weight-update API (``asyncsync.server.sglang_api``), so a config may address
+it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang < 0.5.21.
+
 Data-plane work runs on one dedicated thread and generation on another, so the server keeps
 generating with the old weights while a new version streams in.
 """
@@ -20,6 +23,7 @@ generating with the old weights while a new version streams in.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import random
 import logging
@@ -36,19 +40,22 @@ from asyncsync.dataplane import DataPlaneError
 from asyncsync.models import generate
 from asyncsync.plan import distinct_tensors
 from asyncsync.server.receiver import VersionRejected, WeightReceiver
+from asyncsync.server.sglang_api import SglangApi
 from asyncsync.wire import InitGroupRequest, UpdateRequest, VersionRequest, WireError
 
 log = logging.getLogger(__name__)
 
 MAX_NEW_TOKENS = 4096
 MAX_SAMPLES = 256
+SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the weight-update group
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ReferenceServer:
     """Holds the model, the receiver and the two worker threads behind the routes."""
 
-    def __init__(self, model: torch.nn.Module, token: str | None = None, apply_delay_s: float = 0.0):
+    def __init__(self, model: torch.nn.Module, token: str | None = None, apply_delay_s: float = 0.0,
+                 sglang_sessions: bool = True):
         self.model = model
         self.token = token
         self.apply_delay_s = apply_delay_s  # fault injection for tests: a random sleep before each swap-in
@@ -56,6 +63,7 @@ class ReferenceServer:
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
+        self.sglang = SglangApi(self.receiver, functools.partial(self._run, self._comm), sglang_sessions, SGLANG_GROUP_TIMEOUT_S)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 1024 * 1024)
@@ -64,6 +72,7 @@ class ReferenceServer:
             web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
             web.post("/generate", self.generate), web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
+            *self.sglang.routes(),
         ])
         app.on_cleanup.append(self._close)
         return app

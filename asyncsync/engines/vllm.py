@@ -1,0 +1,100 @@
+"""Client of vLLM's weight-transfer routes, for a server started with asyncsync's backend.
+
+The server side is ``asyncsync.vllm_plugin``: a ``WeightTransferEngine`` registered under the backend
+name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, with
+``VLLM_SERVER_DEV_MODE=1`` for the routes). One version, as vLLM expects it::
+
+    POST /pause?mode=keep                          policy ``pause``: in-flight requests freeze
+    POST /start_weight_update
+    POST /update_weights {"update_info": UpdateRequest}   answered once every bucket is received,
+                                                          verified and loaded
+    POST /finish_weight_update {"weight_version": "7"}    vLLM adopts the version
+    POST /reset_prefix_cache?reset_running_requests=true  policy ``reset_prefix_cache``
+    POST /resume
+    GET  /weight_info                              {"weight_version": "7"}: the live version
+"""
+
+from __future__ import annotations
+
+import logging
+
+from asyncsync.config import ServerConfig
+from asyncsync.control import UVICORN_KEEPALIVE_S, ServerError
+from asyncsync.dataplane import GroupSpec
+from asyncsync.engines.base import EngineClient, Generation, parse_weight_version, register_engine
+from asyncsync.wire import InitGroupRequest, UpdateRequest
+
+log = logging.getLogger(__name__)
+
+
+@register_engine("vllm")
+class VllmEngine(EngineClient):
+    keepalive_s = UVICORN_KEEPALIVE_S - 1.0
+
+    def __init__(self, server: ServerConfig, timeout_s: float):
+        super().__init__(server, timeout_s)
+        self._paused = False
+
+    async def world_size(self) -> int:
+        return int((await self.http.get("/get_world_size"))["world_size"])
+
+    async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
+        await self.http.post("/init_weight_transfer_engine", {"init_info": InitGroupRequest(spec, rank_offset).to_json()})
+
+    async def begin(self, version: int) -> None:
+        try:
+            if self.server.pause:
+                await self.http.post("/pause", params={"mode": "keep"}, idempotent=True)
+                self._paused = True
+            await self.http.post("/start_weight_update")
+        except ServerError:
+            await self._resume_quietly()
+            raise
+
+    async def update(self, request: UpdateRequest) -> None:
+        """A refused or failed update leaves vLLM serving the previous weights and its worker out of
+        the update (vLLM ends the update itself when the engine raises), so only the pause is undone."""
+        try:
+            await self.http.post("/update_weights", {"update_info": request.to_json()})
+        except ServerError:
+            await self._resume_quietly()
+            raise
+
+    async def end(self, version: int) -> int:
+        try:
+            await self.http.post("/finish_weight_update", {"weight_version": str(version)})
+            if self.server.reset_prefix_cache:
+                answer = await self.http.post("/reset_prefix_cache", params={"reset_running_requests": "true"},
+                                              idempotent=True)
+                if not (isinstance(answer, dict) and answer.get("success")):
+                    raise ServerError(self.url, f"version {version} is live, but /reset_prefix_cache answered "
+                                                f"{answer!r}: KV computed with older weights may be reused")
+        finally:
+            await self._resume()
+        return await self.version()
+
+    async def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            await self.http.post("/resume", idempotent=True)
+
+    async def _resume_quietly(self) -> None:
+        try:
+            await self._resume()
+        except ServerError as e:
+            log.warning("%s: could not resume generation after a failed update: %s", self.url, e)
+
+    async def version(self) -> int:
+        return parse_weight_version(self.url, (await self.http.get("/weight_info"))["weight_version"])
+
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
+        """``/v1/completions`` with token ids. It does not report the weight version, so the rollout is
+        tagged with the version served when the request was sent: never newer than the truth."""
+        version = await self.version()
+        body = {
+            "prompt": prompt, "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+            "ignore_eos": True, "return_token_ids": True,
+        }
+        out = await self.http.post("/v1/completions", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return Generation([c["token_ids"] for c in choices], version)

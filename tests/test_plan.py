@@ -101,3 +101,12 @@ def test_fresh_tensors_are_fetched_each_time():
     second = packer.pack([model.state_dict()[s.name] for s in bucket.specs], bucket.offsets, buf, True)
     assert first != second
     assert torch.equal(dict(unpack(buf, bucket))["weight"], torch.full((3, 4), 7.0))
+
+
+def test_single_dtype_buckets_group_by_dtype_and_never_mix():
+    plan = BucketPlan(MIXED + specs(("g.fp32", torch.float32, (3,)), ("h.bf16", torch.bfloat16, (2,))),
+                      bucket_bytes=1 << 20, single_dtype=True)
+    assert [[s.name for s in b.specs] for b in plan.buckets] == [
+        ["d.fp64"], ["f.i64"], ["b.fp32", "g.fp32"], ["c.bf16", "h.bf16"], ["e.bool"], ["a.int8"],
+    ]
+    assert plan.total_bytes == sum(s.nbytes for b in plan.buckets for s in b.specs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ class SyncResult:
     apply_s: float = 0.0     # waiting for the servers to verify and swap in
     total_s: float = 0.0
     server_versions: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # servers that did not apply it, and why
     started: float = 0.0   # time.perf_counter() when the snapshot (async) or the pack (blocking) began
     send_started: float = 0.0
     finished: float = 0.0
@@ -30,6 +32,17 @@ class SyncResult:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.total_s / 1e9 if self.total_s else 0.0
+
+
+@dataclass(frozen=True)
+class SyncEvent:
+    """Something that happened to a server: ``evicted``, ``rejoined`` or ``refused`` (a version)."""
+
+    kind: str
+    server: str
+    version: int | None
+    detail: str
+    at: float  # time.time()
 
 
 class SyncMetrics:
@@ -44,6 +57,7 @@ class SyncMetrics:
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
         self.last: SyncResult | None = None
         self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
+        self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
         self.registry = CollectorRegistry()
         r = self.registry
         self._p_versions = Counter("asyncsync_versions", "Versions by outcome", ["outcome"], registry=r)
@@ -51,6 +65,7 @@ class SyncMetrics:
         self._p_stall = Counter("asyncsync_boundary_stall_seconds", "Time the trainer waited in wait_snapshot", registry=r)
         self._p_phase = Histogram("asyncsync_sync_phase_seconds", "Seconds per sync phase", ["phase"], registry=r)
         self._p_gbps = Gauge("asyncsync_last_sync_gbps", "Throughput of the last sync (GB/s)", registry=r)
+        self._p_events = Counter("asyncsync_server_events", "Evictions, rejoins and refused versions", ["kind"], registry=r)
         self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
 
     def count(self, outcome: str, n: int = 1) -> None:
@@ -58,6 +73,11 @@ class SyncMetrics:
         with self._lock:
             setattr(self, outcome, getattr(self, outcome) + n)
         self._p_versions.labels(outcome).inc(n)
+
+    def event(self, kind: str, server: str, version: int | None, detail: str) -> None:
+        with self._lock:
+            self.events.append(SyncEvent(kind, server, version, detail, time.time()))
+        self._p_events.labels(kind).inc()
 
     def stalled(self, seconds: float) -> None:
         with self._lock:
@@ -83,6 +103,7 @@ class SyncMetrics:
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
                 "failed": self.failed, "boundary_stall_s": self.stall_s, "last": last,
+                "events": [asdict(e) for e in self.events],
             }
 
     def prometheus_text(self) -> str:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.metrics import SyncMetrics, SyncResult
+from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.plan import Bucket, BucketPlan, named_tensors
 from asyncsync.streams import StreamSet
@@ -75,8 +75,8 @@ class WeightSync:
     def connect(self, model: Weights) -> None:
         """Plan the buckets, build the data-plane group with every server (warmed up) and, in async
         mode, start the worker with its two snapshot buffer sets."""
-        self._transfer = Transfer.connect(self.config)
-        device = self._transfer.group.device
+        self._transfer = Transfer.connect(self.config, self.metrics)
+        device = self._transfer.device
         self._packer = get_backend(self.config.pack_backend, device)
         self._replan(named_tensors(model))
         if self.is_async:
@@ -87,10 +87,10 @@ class WeightSync:
     def _replan(self, named: Mapping[str, torch.Tensor]) -> None:
         """(Re)build the bucket index and, for blocking mode, the two ring buffers."""
         assert self._transfer is not None
-        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, self._transfer.group.single_dtype_buckets)
+        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, self._transfer.single_dtype_buckets)
         size = self.plan.max_bucket_bytes
         if not self.is_async and (not self._ring or self._ring[0].numel() < size):
-            self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfer.group.device) for _ in range(2)]
+            self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfer.device) for _ in range(2)]
 
     # -- the step boundary ----------------------------------------------------------------------
 
@@ -104,7 +104,8 @@ class WeightSync:
         """Hand ``version`` of ``model``'s weights to the servers.
 
         Async mode: O(1), returns None; the sync happens in the background. Blocking mode: returns
-        the ``SyncResult`` once every server serves ``version``.
+        the ``SyncResult`` once every server serves ``version``. Neither raises for a server's
+        failure: ``result.failures`` and ``events`` say which server missed which version and why.
         """
         if self._transfer is None:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
@@ -125,13 +126,9 @@ class WeightSync:
             buf = self._ring[bucket.index % 2][: bucket.nbytes]
             return buf, packer.pack([named[s.name] for s in bucket.specs], bucket.offsets, buf, checksum)
 
-        try:
-            result = self._transfer.send(version, self.plan, pack, ring=2)
-        except Exception:
-            self.metrics.count("failed")
-            raise
+        result = self._transfer.send(version, self.plan, pack, ring=2)
         self.metrics.record(result)
-        self.metrics.count("sent")
+        self.metrics.count("sent" if result.server_versions else "failed")
         return result
 
     # -- versions and staleness -----------------------------------------------------------------
@@ -158,8 +155,13 @@ class WeightSync:
         rollouts generated afterwards are fresh enough. False on timeout."""
         needed = trainer_version - self.config.max_staleness
         if self._worker is None:
-            return min(self.server_versions.values(), default=needed) >= needed
+            return min(self._transfer.member_versions().values(), default=needed) >= needed if self._transfer else True
         return self._worker.wait_served(needed, timeout)
+
+    @property
+    def events(self) -> list[SyncEvent]:
+        """Evictions, rejoins and refused versions, oldest first."""
+        return list(self.metrics.events)
 
     @property
     def errors(self) -> list[str]:

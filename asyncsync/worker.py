@@ -84,7 +84,7 @@ class SyncWorker:
 
     def __init__(self, transfer: Transfer, plan: BucketPlan, packer: PackBackend, streams: StreamSet, metrics: SyncMetrics):
         self.transfer, self.plan, self.packer, self.streams, self.metrics = transfer, plan, packer, streams, metrics
-        device = transfer.group.device
+        device = transfer.device
         self._sets = [Snapshot.allocate(plan, device), Snapshot.allocate(plan, device)]
         self._cond = threading.Condition()
         self._s = _State()
@@ -127,7 +127,7 @@ class SyncWorker:
         """Wait until every server serves ``version`` or later (for a trainer that must not run ahead)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: min(self.transfer.server_versions.values(), default=version) >= version or self._s.closing,
+                lambda: min(self.transfer.member_versions().values(), default=version) >= version or self._s.closing,
                 timeout,
             )
 
@@ -221,7 +221,7 @@ class SyncWorker:
                 )
                 self.transfer.send(snap.version, self.plan, snap.buffer_for, result=result)
                 self.metrics.record(result)
-                self.metrics.count("sent")
+                self.metrics.count("sent" if result.server_versions else "failed")
             except Exception as e:
                 log.error("sync of version %d failed: %s", snap.version, e)
                 self.metrics.count("failed")

@@ -11,7 +11,6 @@ cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 
 VENV=$VENV EXTRAS=test,vllm bash scripts/setup.sh
-[ -f "$VENV/.gitignore" ] || echo '*' > "$VENV/.gitignore"  # keep the 3 GB environment out of git
 
 "$VENV/bin/python" -c "import vllm" || { echo "test_vllm: vllm does not import in $VENV" >&2; exit 1; }
 

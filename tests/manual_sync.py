@@ -19,7 +19,7 @@ from asyncsync.packing import TorchPackBackend
 from asyncsync.plan import BucketPlan
 from asyncsync.server.app import ReferenceServer
 from asyncsync.topology import GroupLayout
-from asyncsync.transfer import check, gather
+from asyncsync.transfer import gather
 from asyncsync.wire import BucketMeta, UpdateRequest
 
 
@@ -57,11 +57,11 @@ class ManualTrainer:
         self.config = config
         self.control = ControlLoop()
         self.engines: Sequence[EngineClient] = [make_engine(s, config.deadlines.http_s) for s in config.servers]
-        sizes = check(self.control.run(gather(self.engines, lambda e: e.world_size())), "world_size")
+        sizes = answered(self.control.run(gather(self.engines, lambda e: e.world_size())))
         self.layout = GroupLayout.of(config, self.engines, sizes)
         joined = self.control.submit(gather(self.engines, lambda e: e.init_group(*self.layout.membership(e))))
         self.groups = self.layout.join()
-        check(joined.result(60), "init_group")
+        answered(joined.result(60))
 
     def publish(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
         """Send ``version``; each server's live version after ``end``, or the exception it failed with."""
@@ -89,3 +89,11 @@ class ManualTrainer:
         self.control.run(gather(self.engines, lambda e: e.close()), 10)
         self.control.close()
         self.groups.close()
+
+
+def answered(results: dict[str, Any]) -> dict[str, Any]:
+    """The results, or the first server's failure raised."""
+    for r in results.values():
+        if isinstance(r, BaseException):
+            raise r
+    return results

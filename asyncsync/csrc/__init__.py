@@ -135,10 +135,11 @@ class CudaPackBackend(PackBackend):
         crc_out = torch.empty(1, dtype=torch.int32, device=out.device) if checksum else None
         workspace = torch.empty(lib.asyncsync_pack_cuda_workspace_bytes(end), dtype=torch.uint8, device=out.device)
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        err = lib.asyncsync_pack_cuda(
-            table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), len(rows), out.data_ptr(), end,
-            stream, crc_out.data_ptr() if crc_out is not None else None, workspace.data_ptr(),
-        )
+        with torch.cuda.device(out.device):  # the launcher sizes its grid for the current device
+            err = lib.asyncsync_pack_cuda(
+                table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), len(rows), out.data_ptr(), end,
+                stream, crc_out.data_ptr() if crc_out is not None else None, workspace.data_ptr(),
+            )
         if err:
             raise RuntimeError(f"asyncsync_pack_cuda failed: {lib.asyncsync_cuda_error_string(err).decode()}")
         return int(crc_out.item()) & 0xFFFFFFFF if crc_out is not None else None

@@ -105,7 +105,7 @@ class SglangEngine(EngineClient):
         if refused:
             await self._undo_policies()
             raise ServerError(self.url, f"version {request.version} not applied, {len(refused)} of "
-                                        f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}")
+                                        f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}", status=400)
 
     async def end(self, version: int) -> int:
         await self._release()

@@ -19,10 +19,8 @@ whether or not the trainer pauses generation and whatever happens to the trainer
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
-import struct
 from typing import Any
 
 import torch
@@ -35,7 +33,7 @@ from asyncsync.wire import InitGroupRequest, UpdateRequest
 
 log = logging.getLogger(__name__)
 
-# safetensors header dtype codes
+# safetensors' dtype codes
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -92,15 +90,14 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 def checkpoint_specs(vllm_config: Any) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor in the served checkpoint's safetensors files (headers
     only): the HF names, dtypes and shapes an update must carry."""
-    files = _safetensors_files(vllm_config)
+    from safetensors import safe_open
+
     specs: dict[str, TensorSpec] = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                specs[name] = TensorSpec(name, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    for path in _safetensors_files(vllm_config):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                entry = f.get_slice(name)
+                specs[name] = TensorSpec(name, _SAFETENSORS_DTYPES[entry.get_dtype()], tuple(entry.get_shape()))
     return specs
 
 

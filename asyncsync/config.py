@@ -92,6 +92,8 @@ class WeightSyncConfig:
     max_staleness: int = 1
     servers: tuple[ServerConfig, ...] = ()
     deadlines: Deadlines = field(default_factory=Deadlines)
+    group_per_server: bool = False
+    readmit_interval_s: float = 5.0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     group_name: str = "asyncsync"
@@ -99,6 +101,10 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.async_weight_update, bool):
             raise ConfigError(f"async_weight_update: expected true or false, got {self.async_weight_update!r}")
+        if not isinstance(self.group_per_server, bool):
+            raise ConfigError(f"group_per_server: expected true or false, got {self.group_per_server!r}")
+        if self.group_per_server and not self.async_weight_update:
+            raise ConfigError("group_per_server: needs async_weight_update: true (a blocking publish waits for every server anyway)")
         if not isinstance(self.checksum, bool):
             raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
         object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
@@ -106,6 +112,8 @@ class WeightSyncConfig:
             raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")
         if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
             raise ConfigError(f"max_staleness: expected an integer >= 0, got {self.max_staleness!r}")
+        if not isinstance(self.readmit_interval_s, (int, float)) or isinstance(self.readmit_interval_s, bool) or self.readmit_interval_s <= 0:
+            raise ConfigError(f"readmit_interval_s: expected a positive number of seconds, got {self.readmit_interval_s!r}")
         if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
             raise ConfigError(f"master_port: expected 0 (pick a free port) or a port number, got {self.master_port!r}")
         urls = [s.base_url for s in self.servers]

@@ -49,7 +49,7 @@ class WeightSync:
         self.config = config
         self.metrics = SyncMetrics()
         self.plan: BucketPlan | None = None
-        self._transfer: Transfer | None = None
+        self._transfers: list[Transfer] = []  # one for all servers, or one per server (group_per_server)
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
         self._ring: list[torch.Tensor] = []
@@ -75,22 +75,29 @@ class WeightSync:
     def connect(self, model: Weights) -> None:
         """Plan the buckets, build the data-plane group with every server (warmed up) and, in async
         mode, start the worker with its two snapshot buffer sets."""
-        self._transfer = Transfer.connect(self.config, self.metrics)
-        device = self._transfer.device
+        cfg = self.config
+        groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
+        try:
+            for group_cfg in groups:
+                self._transfers.append(Transfer.connect(group_cfg, self.metrics))
+        except BaseException:
+            self.close()
+            raise
+        device = self._transfers[0].device
         self._packer = get_backend(self.config.pack_backend, device)
         self._replan(named_tensors(model))
         if self.is_async:
             assert self.plan is not None
-            self._worker = SyncWorker(self._transfer, self.plan, self._packer, StreamSet.for_device(device), self.metrics)
+            self._worker = SyncWorker(self._transfers, self.plan, self._packer, StreamSet.for_device(device), self.metrics)
         log.info("connected: %s mode, pack backend %s", "async" if self.is_async else "blocking", self._packer.name)
 
     def _replan(self, named: Mapping[str, torch.Tensor]) -> None:
         """(Re)build the bucket index and, for blocking mode, the two ring buffers."""
-        assert self._transfer is not None
-        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, self._transfer.single_dtype_buckets)
+        single_dtype = any(t.single_dtype_buckets for t in self._transfers)
+        self.plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
         size = self.plan.max_bucket_bytes
         if not self.is_async and (not self._ring or self._ring[0].numel() < size):
-            self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfer.device) for _ in range(2)]
+            self._ring = [torch.empty(size, dtype=torch.uint8, device=self._transfers[0].device) for _ in range(2)]
 
     # -- the step boundary ----------------------------------------------------------------------
 
@@ -107,7 +114,7 @@ class WeightSync:
         the ``SyncResult`` once every server serves ``version``. Neither raises for a server's
         failure: ``result.failures`` and ``events`` say which server missed which version and why.
         """
-        if self._transfer is None:
+        if not self._transfers:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
         if self._worker is not None:
             self._worker.publish(model, version)
@@ -126,7 +133,7 @@ class WeightSync:
             buf = self._ring[bucket.index % 2][: bucket.nbytes]
             return buf, packer.pack([named[s.name] for s in bucket.specs], bucket.offsets, buf, checksum)
 
-        result = self._transfer.send(version, self.plan, pack, ring=2)
+        result = self._transfers[0].send(version, self.plan, pack, ring=2)  # blocking mode has one group
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
@@ -136,8 +143,8 @@ class WeightSync:
     @property
     def server_versions(self) -> dict[str, int]:
         """The version each server serves, as last reported by the server (kept after close())."""
-        if self._transfer is not None:
-            self._versions_at_close = dict(self._transfer.server_versions)
+        for t in self._transfers:
+            self._versions_at_close.update(t.server_versions)
         return dict(self._versions_at_close)
 
     def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
@@ -155,7 +162,8 @@ class WeightSync:
         rollouts generated afterwards are fresh enough. False on timeout."""
         needed = trainer_version - self.config.max_staleness
         if self._worker is None:
-            return min(self._transfer.member_versions().values(), default=needed) >= needed if self._transfer else True
+            versions = [v for t in self._transfers for v in t.member_versions().values()]
+            return min(versions, default=needed) >= needed
         return self._worker.wait_served(needed, timeout)
 
     @property
@@ -178,10 +186,10 @@ class WeightSync:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._transfer is not None:
-            self._versions_at_close = dict(self._transfer.server_versions)
-            self._transfer.close()
-            self._transfer = None
+        for t in self._transfers:
+            self._versions_at_close.update(t.server_versions)
+            t.close()
+        self._transfers = []
 
     def __enter__(self) -> WeightSync:
         return self

@@ -28,9 +28,6 @@ class SyncError(RuntimeError):
     """No server could be reached at all; the message lists each server's failure."""
 
 
-READMIT_INTERVAL_S = 5.0  # how often an evicted server is probed; a down server costs nothing between probes
-
-
 class Transfer:
     """The trainer's side of the data plane and the control plane, for every configured server.
 
@@ -48,7 +45,7 @@ class Transfer:
     connection, timeout) is evicted; whenever a server is evicted or a collective fails, the groups are
     rebuilt for the remaining servers (a new epoch) and the next version goes to them. A server that
     answers but refuses a version keeps its old one and stays. Evicted servers are probed at most every
-    ``READMIT_INTERVAL_S``; one that answers rejoins (a new epoch) and gets the next full version.
+    ``readmit_interval_s``; one that answers rejoins (a new epoch) and gets the next full version.
     """
 
     def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: list[EngineClient], metrics: SyncMetrics):
@@ -152,7 +149,7 @@ class Transfer:
         now = time.monotonic()
         if not self.evicted or now < self._next_probe:
             return
-        self._next_probe = now + READMIT_INTERVAL_S
+        self._next_probe = now + self.config.readmit_interval_s
         out = [e for e in self.engines if e.url in self.evicted]
         probes = self.control.run(gather(out, lambda e: e.health()), self.config.deadlines.http_s + 5)
         back = [e for e in out if not isinstance(probes[e.url], BaseException)]

@@ -2,7 +2,7 @@
 
 Lifecycle, as the trainer's loop drives it::
 
-    worker = SyncWorker(transfer, plan, packer, streams, metrics)
+    worker = SyncWorker(transfers, plan, packer, streams, metrics)
     for step in range(steps):
         ...                                   # forward / backward: parameters are only read
         worker.wait_snapshot()                # held only until the last published version is copied
@@ -10,13 +10,16 @@ Lifecycle, as the trainer's loop drives it::
         worker.publish(model, version)        # O(1): a marker, a latest-wins slot, a wake-up
     worker.close()                            # drain: the last version reaches every server
 
-Two threads, one job each:
-  * the snapshotter takes the latest published version and packs it (checksum fused) into one of two
-    version-sized ``Snapshot`` buffers sets, the one the sender is not using;
-  * the sender takes the latest snapshot and broadcasts it from those buffers (``Transfer.send``).
+Threads, one job each:
+  * the snapshotter takes the latest published version and packs it (checksum fused) into a
+    version-sized ``Snapshot`` that no sender is using, then offers it to every sender;
+  * one sender per ``Transfer`` (one for all servers, or one per server with ``group_per_server``)
+    takes the newest snapshot offered to it and broadcasts it from those buffers.
 So the snapshot of version v is taken while v-1 is still on the wire, and the trainer never waits
-for the wire. A version overtaken before it is snapshotted, or snapshotted but overtaken before the
-sender takes it, is superseded: counted, never sent.
+for the wire. With a sender per server, a slow server only makes *its* versions supersede. A version
+overtaken before it is snapshotted, or before any sender took it, is superseded: counted, never sent.
+There are (senders + 2) snapshots, so one is always free: one per sender in flight, the newest
+offered one, and the one being written.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from asyncsync.transfer import Transfer
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
     """One version in packed form: a flat buffer per bucket and each bucket's checksum."""
 
@@ -48,6 +51,7 @@ class Snapshot:
     done: Any = None  # the stream marker recorded after the copy
     started: float = 0.0
     snapshot_s: float = 0.0
+    taken: int = 0    # senders that took this version
 
     @classmethod
     def allocate(cls, plan: BucketPlan, device: torch.device) -> Snapshot:
@@ -66,12 +70,13 @@ class _Published:
 
 @dataclass
 class _State:
-    """Everything the trainer and the two threads share, guarded by one condition variable."""
+    """Everything the trainer and the threads share, guarded by one condition variable."""
 
-    published: _Published | None = None      # the latest-wins slot publish() fills
-    ready: Snapshot | None = None            # the latest-wins slot the sender takes from
+    published: _Published | None = None          # the latest-wins slot publish() fills
+    offered: Snapshot | None = None              # the newest snapshot, until every sender took it
+    ready: list[Snapshot | None] = field(default_factory=list)    # per sender: what it takes next
+    sending: list[Snapshot | None] = field(default_factory=list)  # per sender: what it is sending
     writing: Snapshot | None = None
-    sending: Snapshot | None = None
     last_published: int = 0
     last_snapshot: int = 0
     last_marker: Any = None
@@ -80,17 +85,17 @@ class _State:
 
 
 class SyncWorker:
-    """Snapshotter and sender threads between the trainer and ``Transfer`` (see the module doc)."""
+    """Snapshotter and sender threads between the trainer and its ``Transfer``s (see the module doc)."""
 
-    def __init__(self, transfer: Transfer, plan: BucketPlan, packer: PackBackend, streams: StreamSet, metrics: SyncMetrics):
-        self.transfer, self.plan, self.packer, self.streams, self.metrics = transfer, plan, packer, streams, metrics
-        device = transfer.device
-        self._sets = [Snapshot.allocate(plan, device), Snapshot.allocate(plan, device)]
+    def __init__(self, transfers: list[Transfer], plan: BucketPlan, packer: PackBackend, streams: StreamSet, metrics: SyncMetrics):
+        self.transfers, self.plan, self.packer, self.streams, self.metrics = transfers, plan, packer, streams, metrics
+        device = transfers[0].device
+        self._sets = [Snapshot.allocate(plan, device) for _ in range(len(transfers) + 2)]
         self._cond = threading.Condition()
-        self._s = _State()
-        self._threads = [
-            threading.Thread(target=self._snapshot_loop, name="asyncsync-snapshot", daemon=True),
-            threading.Thread(target=self._send_loop, name="asyncsync-send", daemon=True),
+        self._s = _State(ready=[None] * len(transfers), sending=[None] * len(transfers))
+        self._threads = [threading.Thread(target=self._snapshot_loop, name="asyncsync-snapshot", daemon=True)] + [
+            threading.Thread(target=self._send_loop, args=(i,), name=f"asyncsync-send-{i}", daemon=True)
+            for i in range(len(transfers))
         ]
         for t in self._threads:
             t.start()
@@ -124,12 +129,13 @@ class SyncWorker:
         self.metrics.stalled(time.perf_counter() - t0)
 
     def wait_served(self, version: int, timeout: float | None = None) -> bool:
-        """Wait until every server serves ``version`` or later (for a trainer that must not run ahead)."""
+        """Wait until every server in a group serves ``version`` or later (evicted ones excluded)."""
+        def served() -> bool:
+            versions = [v for t in self.transfers for v in t.member_versions().values()]
+            return min(versions, default=version) >= version or self._s.closing
+
         with self._cond:
-            return self._cond.wait_for(
-                lambda: min(self.transfer.member_versions().values(), default=version) >= version or self._s.closing,
-                timeout,
-            )
+            return self._cond.wait_for(served, timeout)
 
     @property
     def errors(self) -> list[str]:
@@ -147,7 +153,7 @@ class SyncWorker:
 
     def _idle(self) -> bool:
         s = self._s
-        return s.published is None and s.writing is None and s.ready is None and s.sending is None
+        return s.published is None and s.writing is None and not any(s.ready) and not any(s.sending)
 
     def _snapshotter_dead(self) -> bool:
         return not self._threads[0].is_alive()
@@ -161,7 +167,8 @@ class SyncWorker:
                 if self._s.published is None:
                     return
                 item, self._s.published = self._s.published, None
-                target = self._free_set()
+                busy = {id(x) for x in [*self._s.sending, *self._s.ready, self._s.offered] if x is not None}
+                target = next(s for s in self._sets if id(s) not in busy)
                 self._s.writing = target
             try:
                 self._take(item, target)
@@ -175,58 +182,61 @@ class SyncWorker:
                 self.metrics.count("failed")
                 continue
             with self._cond:
+                previous = self._s.offered
+                if previous is not None and previous.taken == 0:
+                    self.metrics.count("superseded")  # no sender took it before the next one came
+                self._s.offered = target
+                self._s.ready = [target] * len(self.transfers)
                 self._s.writing = None
-                self._s.ready = target
                 self._s.last_snapshot = max(self._s.last_snapshot, item.version)
                 self._s.last_marker = target.done
                 self._cond.notify_all()
-
-    def _free_set(self) -> Snapshot:
-        """The set the sender is not using; a snapshot waiting in it unsent is superseded."""
-        target = next(s for s in self._sets if s is not self._s.sending)
-        if self._s.ready is target:
-            self._s.ready = None
-            self.metrics.count("superseded")
-        return target
 
     def _take(self, item: _Published, target: Snapshot) -> None:
         t0 = time.perf_counter()
         named = named_tensors(item.weights)
         if not self.plan.matches(named):
             raise ValueError("the model's names, dtypes or shapes changed after connect(); reconnect to re-plan")
-        checksum = self.transfer.config.checksum
+        checksum = self.transfers[0].config.checksum
         with self.streams.copying(after=item.ready):
             for bucket in self.plan.buckets:
                 tensors = [named[s.name] for s in bucket.specs]
                 target.crcs[bucket.index] = self.packer.pack(tensors, bucket.offsets, target.buffers[bucket.index], checksum)
             target.done = self.streams.snapshot_done()
-        target.version = item.version
+        target.version, target.taken = item.version, 0
         target.started = t0
         target.snapshot_s = time.perf_counter() - t0
 
-    # -- sender thread --------------------------------------------------------------------------
+    # -- sender threads -------------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
+    def _send_loop(self, i: int) -> None:
+        transfer = self.transfers[i]
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._s.ready is not None or (self._s.closing and self._idle()))
-                if self._s.ready is None:
+                self._cond.wait_for(lambda: self._s.ready[i] is not None or (self._s.closing and self._idle()))
+                snap = self._s.ready[i]
+                if snap is None:
                     return
-                snap, self._s.ready = self._s.ready, None
-                self._s.sending = snap
+                self._s.ready[i] = None
+                self._s.sending[i] = snap
+                snap.taken += 1
+                first = snap.taken == 1
+                if not any(r is snap for r in self._s.ready):
+                    self._s.offered = None  # every sender has it: it no longer holds a snapshot busy
             try:
                 self.streams.comm_wait(snap.done)
                 result = SyncResult(
                     snap.version, self.plan.total_bytes, len(self.plan.buckets), snapshot_s=snap.snapshot_s, started=snap.started
                 )
-                self.transfer.send(snap.version, self.plan, snap.buffer_for, result=result)
+                transfer.send(snap.version, self.plan, snap.buffer_for, result=result)
                 self.metrics.record(result)
-                self.metrics.count("sent" if result.server_versions else "failed")
+                if first:  # count a version once, however many senders carry it
+                    self.metrics.count("sent" if result.server_versions else "failed")
             except Exception as e:
                 log.error("sync of version %d failed: %s", snap.version, e)
                 self.metrics.count("failed")
                 with self._cond:
                     self._s.errors.append(f"version {snap.version}: {e}")
             with self._cond:
-                self._s.sending = None
+                self._s.sending[i] = None
                 self._cond.notify_all()

@@ -38,8 +38,8 @@ class ServerProcess:
 
     def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
                  token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 apply_delay_s: float = 0.0):
-        self.host, self.port, self.token = host, free_port(host), token
+                 apply_delay_s: float = 0.0, port: int | None = None):
+        self.host, self.port, self.token = host, port or free_port(host), token
         self.url = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
         self.process = mp.get_context("spawn").Process(

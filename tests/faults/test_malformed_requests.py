@@ -1,4 +1,4 @@
-"""The reference server's HTTP API in-process: validation, auth, generation with versions."""
+"""Malformed control requests get a 4xx with a message and the server keeps serving; auth is enforced."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ async def test_generate_reports_version_and_is_deterministic(model):
         ("/update", {"version": 1, "checksum": "yes",
                      "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "nbytes": 8}]}),
         ("/end", {"version": "1"}),
+        ("/generate", [1, 2, 3]),
+        ("/update", {"version": 1, "checksum": True,
+                     "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[-2]], "nbytes": 8}]}),
+        ("/update", {"version": 1, "checksum": True,
+                     "buckets": [{"names": [7], "dtypes": ["float32"], "shapes": [[2]], "nbytes": 8}]}),
+        ("/update", {"version": 1, "checksum": True, "buckets": "all of them"}),
     ],
 )
 async def test_malformed_requests_get_400_and_server_keeps_serving(model, path, body):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.server.launch import ServerProcess
+from asyncsync.server.launch import ServerProcess, running
 
-__all__ = ["ServerProcess", "mixed_dtype_model"]
+__all__ = ["ServerProcess", "mixed_dtype_model", "running"]
 
 
 def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:

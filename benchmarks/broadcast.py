@@ -6,7 +6,8 @@ receivers it measures, side by side:
   - per tensor:  one broadcast per tensor (what a naive sync does);
   - asyncsync:   WeightSync.publish to reference servers: plan, pack, checksum, broadcast, verify,
                  stage and swap in on every server, HTTP control included.
-All three on gloo over loopback. Writes benchmarks/results/broadcast.{json,png}.
+All three on gloo over loopback, interleaved round by round (flat, per tensor, sync, repeat) so
+each ratio compares runs that saw the same machine. Writes benchmarks/results/broadcast.{json,png}.
 
     python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB]
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -25,8 +28,8 @@ from asyncsync.config import parse_bytes
 from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.plan import named_tensors
-from asyncsync.server.launch import ServerProcess
-from benchmarks.common import RESULTS, median_time, write_json
+from asyncsync.server.launch import ServerProcess, running
+from benchmarks.common import RESULTS, write_json
 
 QWEN2_05B_HALF = ModelConfig(
     family="qwen2", vocab_size=151936, hidden_size=448, intermediate_size=2432, num_layers=24,
@@ -35,6 +38,7 @@ QWEN2_05B_HALF = ModelConfig(
 
 
 def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
+    """A plain receiver: per round, one flat broadcast then one broadcast per tensor."""
     torch.set_num_threads(1)
     group = DataPlaneGroup.join(spec, rank)
     flat = torch.empty(sum(torch.empty(s, dtype=d).nbytes for d, s in shapes), dtype=torch.uint8)
@@ -42,69 +46,57 @@ def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tu
     for _ in range(rounds):
         group.broadcast(flat)
         group.barrier()
-    for _ in range(rounds):
         for t in tensors:
             group.broadcast(t)
         group.barrier()
     group.close()
 
 
-def raw_baselines(named: dict[str, torch.Tensor], receivers: int, repeats: int) -> dict[str, float]:
-    """Seconds for one flat broadcast and for a tensor-by-tensor broadcast of the same bytes."""
+def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+    """Seconds for a raw flat broadcast, a tensor-by-tensor broadcast and a blocking sync of the same
+    bytes to ``receivers`` receivers, interleaved round by round so all three see the same machine."""
+    named = named_tensors(model)
     spec = GroupSpec("127.0.0.1", free_port(), receivers + 1, "raw", "gloo", 300.0)
     shapes = [(t.dtype, tuple(t.shape)) for t in named.values()]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, repeats + 1), daemon=True) for r in range(1, receivers + 1)]
-    for p in procs:
-        p.start()
+    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, repeats + 1), daemon=True) for r in range(1, receivers + 1)]
+    servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
     try:
+        for p in raw:
+            p.start()
         group = DataPlaneGroup.join(spec, 0)
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
-        tensors = list(named.values())
-
-        def flat_once() -> None:
-            group.broadcast(flat)
-            group.barrier()
-
-        def per_tensor_once() -> None:
-            for t in tensors:
-                group.broadcast(t)
-            group.barrier()
-
-        result = {"flat_s": median_time(flat_once, repeats), "per_tensor_s": median_time(per_tensor_once, repeats)}
+        with running(servers):
+            cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
+            with WeightSync(cfg) as sync:
+                sync.connect(model)
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
+                times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
+                results = []
+                for round_ in range(repeats + 1):  # round 0 warms every path up
+                    t0 = time.perf_counter()
+                    group.broadcast(flat)
+                    group.barrier()
+                    t1 = time.perf_counter()
+                    for t in named.values():
+                        group.broadcast(t)
+                    group.barrier()
+                    t2 = time.perf_counter()
+                    results.append(sync.publish(model, round_ + 1))
+                    t3 = time.perf_counter()
+                    if round_:
+                        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                            times[key].append(dt)
+                last = results[-1]
+                out = {k: statistics.median(v) for k, v in times.items()}
+                out.update(buckets=last.buckets, pack_backend=sync.pack_backend,
+                           last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
         group.close()
-        return result
+        return out
     finally:
-        for p in procs:
+        for p in raw:
             p.join(60)
             if p.is_alive():
                 p.kill()
-
-
-def sync_time(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: int) -> dict[str, Any]:
-    servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
-    try:
-        for s in servers:
-            s.start()
-        cfg = WeightSyncConfig(servers=tuple(WeightSyncConfig.from_dict({"servers": [s.url for s in servers]}).servers),
-                               bucket_bytes=bucket_bytes)
-        with WeightSync(cfg) as sync:
-            sync.connect(model)
-            version = iter(range(1, 1000))
-            results = []
-
-            def once() -> None:
-                results.append(sync.publish(model, next(version)))
-
-            seconds = median_time(once, repeats)
-            last = results[-1]
-            return {
-                "sync_s": seconds, "buckets": last.buckets, "pack_backend": sync.pack_backend,
-                "last": {"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s},
-            }
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -144,20 +136,18 @@ def main() -> None:
     nbytes = sum(t.nbytes for t in named.values())
     rows = []
     for n in args.receivers:
-        raw = raw_baselines(named, n, args.repeats)
-        sync = sync_time(model, n, args.repeats, bucket_bytes)
+        m = measure(model, n, args.repeats, bucket_bytes)
         row = {
-            "receivers": n, "model_mb": nbytes / 1e6, "tensors": len(named), **raw, **sync,
-            "flat_gbps": nbytes / raw["flat_s"] / 1e9, "per_tensor_gbps": nbytes / raw["per_tensor_s"] / 1e9,
-            "sync_gbps": nbytes / sync["sync_s"] / 1e9,
+            "receivers": n, "model_mb": nbytes / 1e6, "tensors": len(named), **m,
+            "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
+            "sync_gbps": nbytes / m["sync_s"] / 1e9,
+            "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
         }
-        row["sync_vs_flat"] = raw["flat_s"] / sync["sync_s"]
-        row["sync_vs_per_tensor"] = raw["per_tensor_s"] / sync["sync_s"]
         rows.append(row)
         print(f"{n} receiver(s): {nbytes / 1e6:.0f} MB, {len(named)} tensors, {row['buckets']} buckets | "
-              f"raw flat {raw['flat_s']:.3f}s ({row['flat_gbps']:.2f} GB/s) | "
-              f"per tensor {raw['per_tensor_s']:.3f}s ({row['per_tensor_gbps']:.2f} GB/s) | "
-              f"asyncsync {sync['sync_s']:.3f}s ({row['sync_gbps']:.2f} GB/s) | "
+              f"raw flat {m['flat_s']:.3f}s ({row['flat_gbps']:.2f} GB/s) | "
+              f"per tensor {m['per_tensor_s']:.3f}s ({row['per_tensor_gbps']:.2f} GB/s) | "
+              f"asyncsync {m['sync_s']:.3f}s ({row['sync_gbps']:.2f} GB/s) | "
               f"sync/flat {row['sync_vs_flat']:.2f}x (target >= 0.9x), "
               f"sync/per-tensor {row['sync_vs_per_tensor']:.2f}x (target >= 2x)", flush=True)
     targets = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}

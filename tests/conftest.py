@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncsync.models import ModelConfig
-from asyncsync.testing import ServerProcess, mixed_dtype_model
+from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 
 # Small enough to start fast, large enough that several tensors exceed a 64 KiB bucket.
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -21,11 +21,5 @@ def _one_thread() -> None:
 
 @pytest.fixture(scope="module")
 def two_servers() -> Iterator[list[ServerProcess]]:
-    servers = [ServerProcess(mixed_dtype_model, (TINY,)) for _ in range(2)]
-    try:
-        for s in servers:
-            s.start()
+    with running([ServerProcess(mixed_dtype_model, (TINY,)) for _ in range(2)]) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop()

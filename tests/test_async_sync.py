@@ -12,7 +12,7 @@ import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.server.receiver import tensor_bytes
-from asyncsync.testing import ServerProcess, mixed_dtype_model
+from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
 
@@ -32,14 +32,8 @@ def train_step(model: torch.nn.Module, g: torch.Generator) -> None:
 @pytest.fixture(scope="module")
 def slow_servers() -> Iterator[list[ServerProcess]]:
     """Two servers that sleep up to 50 ms before each swap-in, so versions pile up and supersede."""
-    servers = [ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=0.05) for _ in range(2)]
-    try:
-        for s in servers:
-            s.start()
+    with running([ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=0.05) for _ in range(2)]) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def async_config(servers: list[ServerProcess]) -> WeightSyncConfig:

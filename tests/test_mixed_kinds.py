@@ -13,7 +13,7 @@ from asyncsync import WeightSync
 from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
 from asyncsync.server.receiver import tensor_bytes
-from asyncsync.testing import ServerProcess, mixed_dtype_model
+from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
 from manual_sync import ManualTrainer
@@ -21,14 +21,8 @@ from manual_sync import ManualTrainer
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[ServerProcess]]:
-    started = [ServerProcess(build_model, (TINY,)) for _ in range(2)]
-    try:
-        for s in started:
-            s.start()
+    with running([ServerProcess(build_model, (TINY,)) for _ in range(2)]) as started:
         yield started
-    finally:
-        for s in started:
-            s.stop()
 
 
 def test_reference_and_sglang_kinds_sync_bit_exactly_through_two_groups(servers):

@@ -29,7 +29,7 @@ from asyncsync.grpo.config import GRPOConfig
 from asyncsync.grpo.rollout import Group, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
 from asyncsync.models import build_model
-from asyncsync.server.launch import ServerProcess
+from asyncsync.server.launch import ServerProcess, running
 from asyncsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,11 @@ def servers_for(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
     if cfg.weight_sync.servers:
         yield cfg.weight_sync.servers
         return
-    procs = [ServerProcess(build_model, (cfg.policy,)) for _ in range(cfg.num_servers)]
-    try:
-        for p in procs:
-            p.start()
+    with running([ServerProcess(build_model, (cfg.policy,)) for _ in range(cfg.num_servers)]) as procs:
         log.info("started %d embedded reference server(s): %s (pids %s)", len(procs),
                  " ".join(p.url for p in procs), " ".join(str(p.process.pid) for p in procs))
         yield tuple(ServerConfig(url=p.url) for p in procs)
-    finally:
-        for p in procs:
-            p.stop()
-        log.info("stopped the embedded reference servers")
+    log.info("stopped the embedded reference servers")
 
 
 def run_grpo(cfg: GRPOConfig, progress: bool = False, make_sync: Callable[[WeightSyncConfig], Any] = WeightSync) -> RunSummary:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 import torch
 
 from asyncsync.models import ModelConfig
@@ -23,3 +25,12 @@ def _one_thread() -> None:
 def two_servers() -> Iterator[list[ServerProcess]]:
     with running([ServerProcess(mixed_dtype_model, (TINY,)) for _ in range(2)]) as servers:
         yield servers
+
+
+async def serve_every_path(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> TestServer:
+    """An aiohttp server on loopback that hands every request, whatever its path, to ``handler``."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server

@@ -16,7 +16,7 @@ from asyncsync.engines import make_engine
 from asyncsync.models import build_model
 from asyncsync.server.app import ReferenceServer
 
-from conftest import TINY
+from conftest import TINY, serve_every_path
 
 
 class Recorder:
@@ -40,11 +40,7 @@ class Recorder:
         return web.json_response({"ok": True})
 
     async def start(self) -> TestServer:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server
+        return await serve_every_path(self.handle)
 
 
 async def test_one_connection_is_reused_for_every_call():

@@ -11,6 +11,8 @@ from asyncsync.control import ServerError
 from asyncsync.engines import make_engine
 from asyncsync.wire import BucketMeta, UpdateRequest
 
+from conftest import serve_every_path
+
 REQUEST = UpdateRequest(3, (BucketMeta(("w",), ("float32",), ((2,),), 8),), checksum=True)
 
 
@@ -34,11 +36,7 @@ class FakeVllm:
         return web.json_response({"weight_version": self.version})
 
     async def start(self) -> TestServer:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server
+        return await serve_every_path(self.handle)
 
 
 async def sync_once(fake: FakeVllm, **policies: bool) -> int:

@@ -28,7 +28,7 @@ def step(model: torch.nn.Module, version: int) -> None:
 def config(servers: list[ServerProcess], **extra) -> WeightSyncConfig:
     return WeightSyncConfig.from_dict({
         "async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": "16KiB",
-        "readmit_interval_s": 0.5, "deadlines": {"rendezvous_s": 20, "collective_s": 20, "http_s": 20}, **extra,
+        "readmit_interval_s": 0.5, "deadlines": {"rendezvous_s": 10, "collective_s": 5, "http_s": 10}, **extra,
     })
 
 
@@ -57,9 +57,14 @@ def test_kill_9_mid_sync_then_restart_rejoins():
         for _ in range(12):
             publish_one()
         victim.process.kill()  # SIGKILL while syncs are streaming
-        for _ in range(12):
+        # The trainer keeps stepping. The sync under way notices when a call to the dead server fails
+        # or, when gloo is left waiting on it, at the collective deadline (5 s here).
+        for _ in range(1500):  # bounded: about 30 s of steps
             publish_one()
+            if victim.url in {e.server for e in sync.events if e.kind == "evicted"}:
+                break
         assert victim.url in {e.server for e in sync.events if e.kind == "evicted"}
+        assert {e.server for e in sync.events if e.kind == "evicted"} == {victim.url}, "only the dead server goes"
 
         restarted = ServerProcess(mixed_dtype_model, (TINY,), port=victim.port).start()
         for _ in range(400):  # bounded: until the restarted server serves the newest version

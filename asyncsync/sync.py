@@ -31,7 +31,7 @@ from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.plan import Bucket, BucketPlan, named_tensors
 from asyncsync.streams import StreamSet
-from asyncsync.transfer import Transfer
+from asyncsync.transfer import Transfer, lowest_member_version
 from asyncsync.worker import SyncWorker
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,10 @@ class WeightSync:
     @property
     def server_versions(self) -> dict[str, int]:
         """The version each server serves, as last reported by the server (kept after close())."""
+        versions = dict(self._versions_at_close)
         for t in self._transfers:
-            self._versions_at_close.update(t.server_versions)
-        return dict(self._versions_at_close)
+            versions.update(t.server_versions)
+        return versions
 
     def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
         """True when a rollout generated with ``rollout_version`` is within ``max_staleness``."""
@@ -162,8 +163,7 @@ class WeightSync:
         rollouts generated afterwards are fresh enough. False on timeout."""
         needed = trainer_version - self.config.max_staleness
         if self._worker is None:
-            versions = [v for t in self._transfers for v in t.member_versions().values()]
-            return min(versions, default=needed) >= needed
+            return lowest_member_version(self._transfers, needed) >= needed
         return self._worker.wait_served(needed, timeout)
 
     @property

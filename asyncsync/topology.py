@@ -81,7 +81,6 @@ class TrainerGroups:
     def __init__(self, groups: list[tuple[DataPlaneProtocol, DataPlaneGroup]]):
         self._groups = groups
         self.device: torch.device = groups[0][1].device
-        self.single_dtype_buckets = any(p.single_dtype_buckets for p, _ in groups)
 
     def broadcast_async(self, tensor: torch.Tensor) -> list[Any]:
         """Start broadcasting ``tensor`` into every group; pass the result to ``wait``."""

@@ -248,3 +248,8 @@ async def gather(engines: list[EngineClient], call: Callable[[EngineClient], Awa
     """Call every server concurrently; each server's result or exception, keyed by URL."""
     results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
     return {e.url: r for e, r in zip(engines, results)}
+
+
+def lowest_member_version(transfers: list[Transfer], default: int) -> int:
+    """The oldest version served by a server in a group (evicted servers excluded), or ``default``."""
+    return min((v for t in transfers for v in t.member_versions().values()), default=default)

@@ -36,7 +36,7 @@ from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend
 from asyncsync.plan import Bucket, BucketPlan, named_tensors
 from asyncsync.streams import StreamSet
-from asyncsync.transfer import Transfer
+from asyncsync.transfer import Transfer, lowest_member_version
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class _State:
     """Everything the trainer and the threads share, guarded by one condition variable."""
 
     published: _Published | None = None          # the latest-wins slot publish() fills
-    offered: Snapshot | None = None              # the newest snapshot, until every sender took it
-    ready: list[Snapshot | None] = field(default_factory=list)    # per sender: what it takes next
+    ready: list[Snapshot | None] = field(default_factory=list)    # per sender: what it takes next (all the same newest snapshot)
     sending: list[Snapshot | None] = field(default_factory=list)  # per sender: what it is sending
     writing: Snapshot | None = None
     last_published: int = 0
@@ -130,12 +129,8 @@ class SyncWorker:
 
     def wait_served(self, version: int, timeout: float | None = None) -> bool:
         """Wait until every server in a group serves ``version`` or later (evicted ones excluded)."""
-        def served() -> bool:
-            versions = [v for t in self.transfers for v in t.member_versions().values()]
-            return min(versions, default=version) >= version or self._s.closing
-
         with self._cond:
-            return self._cond.wait_for(served, timeout)
+            return self._cond.wait_for(lambda: lowest_member_version(self.transfers, version) >= version or self._s.closing, timeout)
 
     @property
     def errors(self) -> list[str]:
@@ -167,7 +162,7 @@ class SyncWorker:
                 if self._s.published is None:
                     return
                 item, self._s.published = self._s.published, None
-                busy = {id(x) for x in [*self._s.sending, *self._s.ready, self._s.offered] if x is not None}
+                busy = {id(x) for x in [*self._s.sending, *self._s.ready] if x is not None}
                 target = next(s for s in self._sets if id(s) not in busy)
                 self._s.writing = target
             try:
@@ -182,10 +177,9 @@ class SyncWorker:
                 self.metrics.count("failed")
                 continue
             with self._cond:
-                previous = self._s.offered
-                if previous is not None and previous.taken == 0:
+                waiting = next((r for r in self._s.ready if r is not None), None)
+                if waiting is not None and waiting.taken == 0:
                     self.metrics.count("superseded")  # no sender took it before the next one came
-                self._s.offered = target
                 self._s.ready = [target] * len(self.transfers)
                 self._s.writing = None
                 self._s.last_snapshot = max(self._s.last_snapshot, item.version)
@@ -221,8 +215,6 @@ class SyncWorker:
                 self._s.sending[i] = snap
                 snap.taken += 1
                 first = snap.taken == 1
-                if not any(r is snap for r in self._s.ready):
-                    self._s.offered = None  # every sender has it: it no longer holds a snapshot busy
             try:
                 self.streams.comm_wait(snap.done)
                 result = SyncResult(

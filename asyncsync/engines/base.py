@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -11,6 +12,8 @@ from asyncsync.config import ServerConfig
 from asyncsync.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 from asyncsync.dataplane import GroupSpec
 from asyncsync.wire import UpdateRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,13 @@ class EngineClient(ABC):
     async def health(self) -> None:
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""
         await self.http.get("/health")
+
+    async def best_effort(self, call: Awaitable[None], what: str) -> None:
+        """Undo a policy after a failure that is already being reported: a second failure is logged, not raised."""
+        try:
+            await call
+        except ServerError as e:
+            log.warning("%s: could not %s: %s", self.url, what, e)
 
     async def close(self) -> None:
         await self.http.close()

@@ -68,7 +68,7 @@ class SglangEngine(EngineClient):
             if self._sessions is not False:
                 await self._begin_session()
         except ServerError:
-            await self._undo_policies()
+            await self.best_effort(self._release(), "close the update session or resume generation")
             raise
 
     async def _begin_session(self) -> None:
@@ -99,11 +99,11 @@ class SglangEngine(EngineClient):
                 await self._post_checked("/update_weights_from_distributed", body.to_json())
             except ServerError as e:
                 if e.status != 400:
-                    await self._undo_policies()
+                    await self.best_effort(self._release(), "close the update session or resume generation")
                     raise
                 refused.append(f"bucket {i}: {e}")
         if refused:
-            await self._undo_policies()
+            await self.best_effort(self._release(), "close the update session or resume generation")
             raise ServerError(self.url, f"version {request.version} not applied, {len(refused)} of "
                                         f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}", status=400)
 
@@ -121,13 +121,6 @@ class SglangEngine(EngineClient):
             if self._paused:
                 self._paused = False
                 await self._post_checked("/continue_generation", {}, idempotent=True)
-
-    async def _undo_policies(self) -> None:
-        """After a failed begin or update, where ``end`` will not come: release, best effort."""
-        try:
-            await self._release()
-        except ServerError as e:
-            log.warning("%s: could not close the update session or resume generation: %s", self.url, e)
 
     async def version(self) -> int:
         return parse_weight_version(self.url, (await self.http.get("/get_weight_version"))["weight_version"])

@@ -16,15 +16,11 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
 
 from __future__ import annotations
 
-import logging
-
 from asyncsync.config import ServerConfig
 from asyncsync.control import UVICORN_KEEPALIVE_S, ServerError
 from asyncsync.dataplane import GroupSpec
 from asyncsync.engines.base import EngineClient, Generation, parse_weight_version, register_engine
 from asyncsync.wire import InitGroupRequest, UpdateRequest
-
-log = logging.getLogger(__name__)
 
 
 @register_engine("vllm")
@@ -48,7 +44,7 @@ class VllmEngine(EngineClient):
                 self._paused = True
             await self.http.post("/start_weight_update")
         except ServerError:
-            await self._resume_quietly()
+            await self.best_effort(self._resume(), "resume generation after a failed update")
             raise
 
     async def update(self, request: UpdateRequest) -> None:
@@ -57,7 +53,7 @@ class VllmEngine(EngineClient):
         try:
             await self.http.post("/update_weights", {"update_info": request.to_json()})
         except ServerError:
-            await self._resume_quietly()
+            await self.best_effort(self._resume(), "resume generation after a failed update")
             raise
 
     async def end(self, version: int) -> int:
@@ -77,12 +73,6 @@ class VllmEngine(EngineClient):
         if self._paused:
             self._paused = False
             await self.http.post("/resume", idempotent=True)
-
-    async def _resume_quietly(self) -> None:
-        try:
-            await self._resume()
-        except ServerError as e:
-            log.warning("%s: could not resume generation after a failed update: %s", self.url, e)
 
     async def version(self) -> int:
         return parse_weight_version(self.url, (await self.http.get("/weight_info"))["weight_version"])

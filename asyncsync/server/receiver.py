@@ -70,10 +70,8 @@ class WeightReceiver:
             have = staged.version if staged else None
             raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
         with self.serve_lock, torch.no_grad():
-            for buf, bucket in zip(staged.buffers, staged.buckets):
-                for spec, offset in zip(bucket.specs, bucket.offsets):
-                    live = self._live[spec.name]
-                    live.set_(buf.untyped_storage(), offset // spec.itemsize, spec.shape, _contiguous_strides(spec.shape))
+            for name, view in staged.tensors():
+                self._live[name].set_(view)  # the live tensor now aliases its bytes in the buffer
             self.version = version
             self.applied.append(version)
             self.stager.mark_live(staged)
@@ -88,14 +86,6 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.stager.close()
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

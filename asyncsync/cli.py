@@ -22,7 +22,7 @@ def _load_yaml(path: str | None) -> dict[str, Any]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from asyncsync.models import ModelConfig, build_model
-    from asyncsync.server.app import run_server
+    from asyncsync.receivers.reference.app import run_server
 
     data = _load_yaml(args.model_config)
     data = data.get("model", data)
@@ -74,19 +74,14 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 def cmd_doctor(_args: argparse.Namespace) -> int:
     import torch
 
-    from asyncsync.dataplane import resolve_backend
-    from asyncsync.packing import get_backend
+    from asyncsync.packing.native import status
+    from asyncsync.protocol.group import resolve_backend
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    print(f"data-plane backend (auto): {resolve_backend('auto')}")
-    print(f"pack backend (auto, cpu): {get_backend('auto', 'cpu').name}")
-    try:
-        from asyncsync.csrc import status
-    except ImportError as e:
-        print(f"C++ extension: unavailable ({e})")
-    else:
-        for key, value in status().items():
-            print(f"{key}: {value}")
+    print(f"data-plane backend (auto): {resolve_backend('auto', torch.device('cpu'))} for CPU weights, "
+          f"{resolve_backend('auto', torch.device('cuda'))} for CUDA weights")
+    for key, value in status().items():
+        print(f"{key}: {value}")
     return 0
 
 

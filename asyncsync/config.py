@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from asyncsync.plan import DEFAULT_BUCKET_BYTES
+from asyncsync.engines import engine_kinds
+from asyncsync.packing import backend_names
+from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
 
-ENGINE_KINDS = ("reference", "vllm", "sglang")
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
+T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -51,14 +54,17 @@ class ServerConfig:
     pause: bool = True
     reset_prefix_cache: bool = True
 
+    SHORTHAND = "url"  # a bare string in a config is a server's URL
+
     def __post_init__(self) -> None:
-        if self.kind not in ENGINE_KINDS:
-            raise ConfigError(f"servers[].kind: {self.kind!r} is not one of {list(ENGINE_KINDS)}")
+        if self.kind not in engine_kinds():
+            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {engine_kinds()} "
+                              "(asyncsync.engines.register_engine adds one)")
         for name in ("pause", "reset_prefix_cache"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"servers[].{name}: expected true or false, got {getattr(self, name)!r}")
-        if not re.match(r"^https?://[^/\s]+", self.url):
-            raise ConfigError(f"servers[].url: {self.url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+                raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.url, str) or not re.match(r"^https?://[^/\s]+", self.url):
+            raise ConfigError(f"url: {self.url!r} is not an http(s) URL such as http://127.0.0.1:8000")
 
     @property
     def base_url(self) -> str:
@@ -77,7 +83,7 @@ class Deadlines:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"deadlines.{f.name}: must be a positive number of seconds, got {v!r}")
+                raise ConfigError(f"{f.name}: must be a positive number of seconds, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,8 @@ class WeightSyncConfig:
         object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
         if self.backend not in DATA_PLANE_BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")
+        if self.pack_backend not in backend_names():
+            raise ConfigError(f"pack_backend: {self.pack_backend!r} is not one of {backend_names()}")
         if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
             raise ConfigError(f"max_staleness: expected an integer >= 0, got {self.max_staleness!r}")
         if not isinstance(self.readmit_interval_s, (int, float)) or isinstance(self.readmit_interval_s, bool) or self.readmit_interval_s <= 0:
@@ -121,8 +129,8 @@ class WeightSyncConfig:
             raise ConfigError(f"servers: the same URL is listed twice: {urls}")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> WeightSyncConfig:
-        return _build(cls, data or {}, "")
+    def from_dict(cls, data: Mapping[str, Any] | None) -> WeightSyncConfig:
+        return from_mapping(cls, data or {})
 
     @classmethod
     def from_yaml(cls, path: str | Path, section: str | None = None) -> WeightSyncConfig:
@@ -139,37 +147,41 @@ class WeightSyncConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    """Instantiate dataclass ``cls`` from a mapping, rejecting unknown keys and recursing into fields."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+def from_mapping(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build the frozen dataclass ``cls`` from a mapping (parsed YAML): unknown keys are refused, fields
+    typed as dataclasses (or tuples of them) are built recursively, and every error names its key path
+    from the top (``prefix``), e.g. ``servers[1].kind: ...``. A class with a ``SHORTHAND`` field name
+    also accepts a bare value for that field (a server given as its URL)."""
+    where = prefix.rstrip(".") or "config"
+    shorthand = getattr(cls, "SHORTHAND", None)
+    if shorthand is not None and not isinstance(data, Mapping):
+        data = {shorthand: data}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     hints = get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown key; valid keys are {sorted(known)}")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        hint = hints[key]
-        if hint is Deadlines:
-            value = _build(Deadlines, value, f"{prefix}{key}.")
-        elif key == "servers":
-            if not isinstance(value, list):
-                raise ConfigError(f"{prefix}servers: expected a list of servers, got {type(value).__name__}")
-            value = tuple(_server(v, f"{prefix}servers[{i}].") for i, v in enumerate(value))
-        kwargs[key] = value
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: missing; this setting has no default")
+    kwargs = {key: _field_value(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**kwargs)
+    except ConfigError as e:  # __post_init__ names the field; add where the dataclass sits
+        raise ConfigError(f"{prefix}{e}") from None
     except TypeError as e:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def _server(value: Any, prefix: str) -> ServerConfig:
-    if isinstance(value, str):
-        value = {"url": value}
-    if isinstance(value, dict) and "url" not in value:
-        raise ConfigError(f"{prefix}url: missing; every server needs a URL such as http://127.0.0.1:8000")
-    try:
-        return _build(ServerConfig, value, prefix)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("servers[].", prefix)) from None
+def _field_value(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, f"{path}.")
+    args = get_args(hint)
+    if get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return tuple(from_mapping(args[0], v, f"{path}[{i}].") for i, v in enumerate(value))
+    return value

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from asyncsync.config import ConfigError, _build
-from asyncsync.plan import dtype_from_name
+from asyncsync.config import ConfigError, from_mapping
+from asyncsync.protocol.specs import dtype_from_name
 
 FAMILIES = ("qwen2", "llama", "qwen2_moe")
 
@@ -40,22 +40,22 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ConfigError(f"model.family: {self.family!r} is not one of {list(FAMILIES)}")
+            raise ConfigError(f"family: {self.family!r} is not one of {list(FAMILIES)}")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"model.{f}: expected a positive integer, got {v!r}")
+                raise ConfigError(f"{f}: expected a positive integer, got {v!r}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConfigError("model: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+            raise ConfigError("hidden_size: must divide by num_heads, and num_heads by num_kv_heads")
         try:
             dtype_from_name(self.dtype)
         except ValueError as e:
-            raise ConfigError(f"model.dtype: {e}") from None
+            raise ConfigError(f"dtype: {e}") from None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> ModelConfig:
-        return _build(cls, data or {}, "model.")
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "model.") -> ModelConfig:
+        return from_mapping(cls, data or {}, prefix)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

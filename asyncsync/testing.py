@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.server.launch import ServerProcess, running
+from asyncsync.receivers.reference.launch import ServerProcess, running
 
 __all__ = ["ServerProcess", "mixed_dtype_model", "running"]
 

@@ -25,10 +25,11 @@ import torch.multiprocessing as mp
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.config import parse_bytes
-from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
+from asyncsync.protocol.group import DataPlaneGroup, free_port
+from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.plan import named_tensors
-from asyncsync.server.launch import ServerProcess, running
+from asyncsync.trainer.source import named_tensors
+from asyncsync.receivers.reference.launch import ServerProcess, running
 from benchmarks.common import RESULTS, write_json
 
 QWEN2_05B_HALF = ModelConfig(

@@ -23,7 +23,7 @@ import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.server.launch import ServerProcess
+from asyncsync.receivers.reference.launch import ServerProcess
 from benchmarks.common import RESULTS, write_json
 
 MODEL = ModelConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4)

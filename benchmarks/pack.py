@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from asyncsync.packing import PackBackend, TorchPackBackend, get_backend
-from asyncsync.plan import BucketPlan
+from asyncsync.packing import PackBackend, get_backend
+from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.specs import BucketPlan
 from benchmarks.common import RESULTS, write_json
 
 MIB = 1024 * 1024
@@ -173,7 +174,7 @@ def main() -> None:
     thread_counts = args.threads or sorted({1, torch.get_num_threads()})
     cpp = get_backend("auto", "cpu")
     if cpp.name != "cpp":
-        from asyncsync.csrc import status
+        from asyncsync.packing.native import status
 
         raise SystemExit(f"the C++ extension is not active ({status()['cpu_extension_error']}); nothing to compare")
 

@@ -12,13 +12,13 @@ if [[ -z "$nvcc" ]]; then
 fi
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-src="$root/asyncsync/csrc/pack_cuda.cu"
+src="$root/csrc/pack_cuda.cu"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-"$nvcc" -arch=sm_90 -O3 -std=c++17 -Werror all-warnings -c "$src" -o "$tmp/pack_cuda.o"
+"$nvcc" -arch=sm_90 -O3 -std=c++17 -Werror all-warnings -I"$root/csrc" -c "$src" -o "$tmp/pack_cuda.o"
 echo "check_cuda: pack_cuda.cu compiles for sm_90 ($("$nvcc" --version | grep -o 'release [0-9.]*'))"
 
-"$nvcc" -std=c++20 -O2 -DASYNCSYNC_PACK_CUDA_SELFTEST -Xcompiler -fno-strict-aliasing,-pthread \
+"$nvcc" -std=c++20 -O2 -I"$root/csrc" -DASYNCSYNC_PACK_CUDA_SELFTEST -Xcompiler -fno-strict-aliasing,-pthread \
   "$src" -o "$tmp/pack_cuda_selftest"
 "$tmp/pack_cuda_selftest"

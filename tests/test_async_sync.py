@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 from collections.abc import Iterator
@@ -11,14 +10,11 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.server.receiver import tensor_bytes
 from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
+from helpers import digest
 
-
-def digest(model: torch.nn.Module) -> dict[str, str]:
-    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
 
 
 def train_step(model: torch.nn.Module, g: torch.Generator) -> None:

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import generate
-from asyncsync.server.receiver import tensor_bytes
 from asyncsync.testing import mixed_dtype_model
 
 from conftest import TINY
+from helpers import digest
 
 PROMPT = [3, 14, 15, 92, 65]
 
-
-def digest(model: torch.nn.Module) -> dict[str, str]:
-    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
 
 
 def perturb(model: torch.nn.Module, step: int) -> None:

@@ -11,10 +11,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import AIOHTTP_SERVER_KEEPALIVE_S, UVICORN_KEEPALIVE_S, ControlLoop, HttpClient, RetryPolicy, ServerError
+from asyncsync.transport.control import AIOHTTP_SERVER_KEEPALIVE_S, UVICORN_KEEPALIVE_S, ControlLoop, HttpClient, RetryPolicy, ServerError
 from asyncsync.engines import make_engine
 from asyncsync.models import build_model
-from asyncsync.server.app import ReferenceServer
+from asyncsync.receivers.reference.app import ReferenceServer
 
 from conftest import TINY, serve_every_path
 

@@ -22,8 +22,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync.packing import TorchPackBackend, get_backend
-from asyncsync.plan import BucketPlan
+from asyncsync.packing import PackBackendUnavailable, get_backend
+from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.specs import BucketPlan
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64, torch.bool]
@@ -42,7 +43,7 @@ class Ops:
 
 @pytest.fixture(scope="session")
 def csrc() -> ModuleType:
-    import asyncsync.csrc as csrc
+    import asyncsync.packing.native as csrc
 
     error = csrc.status()["cpu_extension_error"]
     if error is not None:
@@ -214,19 +215,24 @@ def test_auto_backend_is_the_extension(csrc: ModuleType) -> None:
     assert isinstance(get_backend("auto"), csrc.CppPackBackend)
     assert get_backend("cpp").name == "cpp"
     report = csrc.status()
-    assert report["pack_backend"] == "cpp"
+    assert report["pack_backend (cpu weights)"] == "cpp"
+    assert report["cpu_extension"].startswith(("installed build", "JIT build from csrc/"))
     assert report["checksum"].startswith("CRC32C fused into the C++ pack")
     if not torch.cuda.is_available():
         assert report["cuda_kernel"] == "not available (no CUDA device)"
-        with pytest.raises(ValueError, match="unknown pack backend 'cuda'"):
+        with pytest.raises(PackBackendUnavailable, match="needs a CUDA device"):
             get_backend("cuda")
+        with pytest.raises(PackBackendUnavailable, match="unknown pack backend 'tpu'"):
+            get_backend("tpu")
 
 
-def _backend_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _backend_in_subprocess(env: dict[str, str], hide_installed_build: bool = False) -> subprocess.CompletedProcess[str]:
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
-        "from asyncsync.packing import get_backend\n"
+        + ("sys.modules['asyncsync._pack_cpu'] = None  # as if the install had built no extension\n"
+           if hide_installed_build else "")
+        + "from asyncsync.packing import get_backend\n"
         "print(get_backend('auto').name)\n"
         "print(get_backend('auto').name)\n"
     )
@@ -237,17 +243,17 @@ def _backend_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess[s
 def test_no_ext_env_falls_back_to_torch_with_one_warning() -> None:
     result = _backend_in_subprocess({"ASYNCSYNC_NO_EXT": "1"})
     assert result.stdout.split() == ["torch", "torch"], result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "pure-torch path" in line]
+    warnings = [line for line in result.stderr.splitlines() if "pure-torch backend" in line]
     assert len(warnings) == 1, result.stderr
     assert "ASYNCSYNC_NO_EXT=1" in warnings[0]
 
 
 def test_failed_build_falls_back_to_torch_with_one_warning(tmp_path: Path) -> None:
-    result = _backend_in_subprocess({"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    result = _backend_in_subprocess({"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}, hide_installed_build=True)
     assert result.stdout.split() == ["torch", "torch"], result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "pure-torch path" in line]
+    warnings = [line for line in result.stderr.splitlines() if "pure-torch backend" in line]
     assert len(warnings) == 1, result.stderr
-    assert "could not be built" in warnings[0]
+    assert "no installed build; JIT build failed" in warnings[0]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import torch
 
-from asyncsync.dataplane import DataPlaneGroup, GroupSpec, free_port
+from asyncsync.protocol.group import DataPlaneGroup, free_port
+from asyncsync.protocol.wire import GroupSpec
 
 SIZE = 64
 

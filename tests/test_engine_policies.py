@@ -7,9 +7,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
-from asyncsync.control import ServerError
+from asyncsync.transport.control import ServerError
 from asyncsync.engines import make_engine
-from asyncsync.wire import BucketMeta, UpdateRequest
+from asyncsync.protocol.wire import BucketMeta, UpdateRequest
 
 from conftest import serve_every_path
 
@@ -42,10 +42,14 @@ class FakeVllm:
 async def sync_once(fake: FakeVllm, **policies: bool) -> int:
     server = await fake.start()
     engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm", **policies), 10)
-    try:
-        await engine.begin(3)
-        await engine.update(REQUEST)
-        return await engine.end(3)
+    try:  # EngineClient's contract: begin, update, end; abort after any of them failed
+        try:
+            await engine.begin(3)
+            await engine.update(REQUEST)
+            return await engine.end(3)
+        except ServerError:
+            await engine.abort(3)
+            raise
     finally:
         await engine.close()
         await server.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterator
 
 import pytest
@@ -12,11 +11,10 @@ import torch
 from asyncsync import WeightSync
 from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
-from asyncsync.server.receiver import tensor_bytes
 from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
-from manual_sync import ManualTrainer
+from helpers import Trainer, digest
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +29,9 @@ def test_reference_and_sglang_kinds_sync_bit_exactly_through_two_groups(servers)
         "servers": [{"url": native.url, "kind": "reference"}, {"url": via_sglang.url, "kind": "sglang"}],
         "bucket_bytes": "16KiB",
     })
-    trainer = ManualTrainer(cfg)
+    trainer = Trainer(cfg)
     try:
-        assert [p.name for p, _ in trainer.layout.groups] == ["asyncsync", "sglang"]
+        assert [name for name, _ in trainer.groups] == ["asyncsync", "sglang"]
         model = build_model(TINY)
         g = torch.Generator().manual_seed(0)
         for version in (1, 2, 3):
@@ -42,7 +40,7 @@ def test_reference_and_sglang_kinds_sync_bit_exactly_through_two_groups(servers)
                     p.add_(torch.randn(p.shape, generator=g) * 0.05)
             named = dict(model.state_dict())
             assert trainer.publish(named, version) == {native.url: version, via_sglang.url: version}
-            want = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in named.items()}
+            want = digest(named)
             for server in servers:
                 assert server.get("/weights/digest") == {"version": version, "digest": want}
         assert via_sglang.get("/get_weight_version") == {"weight_version": "3"}
@@ -70,7 +68,7 @@ def test_weight_sync_mixes_kinds_with_one_dtype_per_bucket(async_weight_update):
                     for p in model.parameters():
                         p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
                 sync.publish(model, version)
-        want = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
+        want = digest(model)
         for server in (native, via_sglang):
             assert server.get("/weights/digest") == {"version": 3, "digest": want}
 

@@ -1,8 +1,10 @@
 import pytest
 import torch
 
-from asyncsync.packing import TorchPackBackend, crc32c_of, unpack
-from asyncsync.plan import BucketPlan, TensorSpec
+from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.checksum import crc32c_of
+from asyncsync.protocol.specs import unpack
+from asyncsync.protocol.specs import BucketPlan, TensorSpec
 
 
 def specs(*items):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import urllib.error
 import urllib.request
@@ -11,18 +10,13 @@ import pytest
 import torch
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.control import ServerError
 from asyncsync.models import build_model
-from asyncsync.server.app import ReferenceServer
-from asyncsync.server.receiver import tensor_bytes
+from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
 
 from conftest import TINY
-from manual_sync import ManualTrainer, ThreadedServer
+from helpers import ThreadedServer, Trainer, digest
 
-
-def digest(named: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in named.items()}
 
 
 def weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -46,7 +40,7 @@ def sglang_config(url: str, bucket_bytes: int | str = "16KiB", **server: object)
 @pytest.mark.parametrize("sessions", [True, False], ids=["sglang>=0.5.21", "older-sglang-404"])
 def test_sglang_client_syncs_versions_bit_exactly(sessions):
     with ThreadedServer(ReferenceServer(build_model(TINY), sglang_sessions=sessions)) as server:
-        trainer = ManualTrainer(sglang_config(server.url))
+        trainer = Trainer(sglang_config(server.url))
         try:
             assert get(server.url, "/get_weight_version") == {"weight_version": "default"}
             model = build_model(TINY)
@@ -56,8 +50,7 @@ def test_sglang_client_syncs_versions_bit_exactly(sessions):
                 assert server.server.receiver.digest() == (version, digest(named))
                 assert get(server.url, "/get_weight_version") == {"weight_version": str(version)}
                 assert get(server.url, "/get_server_info")["paused"] is False, "generation resumed"
-            (protocol, spec), = trainer.layout.groups
-            assert protocol.name == "sglang" and spec.world_size == 2
+            assert trainer.groups == [("sglang", 2)]
         finally:
             trainer.close()
 
@@ -79,7 +72,7 @@ def test_refused_versions_leave_the_old_weights_serving():
     """One tensor per bucket keeps every bucket single-dtype even for a mixed-dtype model; 64 KiB
     buckets mix bf16 and fp32, which SGLang's flattened buckets do not portably support."""
     with ThreadedServer(ReferenceServer(mixed_dtype_model(TINY))) as server:
-        trainer = ManualTrainer(sglang_config(server.url, bucket_bytes=1))
+        trainer = Trainer(sglang_config(server.url, bucket_bytes=1))
         try:
             model = mixed_dtype_model(TINY)
             good = weights(model, 1)
@@ -87,13 +80,11 @@ def test_refused_versions_leave_the_old_weights_serving():
             served = server.server.receiver.digest()
             assert served == (1, digest(good))
 
-            trainer.config = sglang_config(server.url, bucket_bytes="64KiB")
-            result = trainer.publish(weights(model, 2), 2)[server.url]
-            assert isinstance(result, ServerError) and "mixes dtypes" in str(result)
+            result = trainer.publish(weights(model, 2), 2, bucket_bytes=64 * 1024, single_dtype=False)[server.url]
+            assert "mixes dtypes" in str(result)
             unknown = {**weights(model, 3), "no.such.tensor": torch.zeros(3)}
-            trainer.config = sglang_config(server.url, bucket_bytes=1)
             result = trainer.publish(unknown, 3)[server.url]
-            assert isinstance(result, ServerError) and "unknown tensor 'no.such.tensor'" in str(result)
+            assert "unknown tensor 'no.such.tensor'" in str(result)
 
             assert server.server.receiver.digest() == served, "refused versions must not touch the weights"
             assert get(server.url, "/get_weight_version") == {"weight_version": "1"}

@@ -24,7 +24,7 @@ import torch
 
 from asyncsync import WeightSync
 from asyncsync.config import ServerConfig
-from asyncsync.dataplane import free_port
+from asyncsync.protocol.group import free_port
 from asyncsync.engines import make_engine
 from asyncsync.models import ModelConfig, build_model
 

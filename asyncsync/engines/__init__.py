@@ -1,6 +1,55 @@
-"""Engine clients behind one protocol; importing this package registers the built-in kinds."""
+"""Engine clients by kind: a lazy registry of module paths, as vLLM's weight-transfer factory.
 
-from asyncsync.engines import reference, sglang, vllm  # noqa: F401  (register their kinds)
-from asyncsync.engines.base import EngineClient, make_engine, register_engine
+``servers[].kind`` in the configuration names one of these; the config refuses a kind that is not
+registered when it loads (naming the key), and a client module is imported only when a server of its
+kind is connected. A new engine registers before the config is loaded::
 
-__all__ = ["EngineClient", "make_engine", "register_engine"]
+    from asyncsync.engines import register_engine
+    register_engine("myengine", "mypackage.client:MyEngineClient")   # an EngineClient subclass
+    sync = WeightSync.from_config({"servers": [{"url": "...", "kind": "myengine"}]})
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncsync.config import ServerConfig
+    from asyncsync.engines.base import EngineClient
+
+_REGISTRY: dict[str, str] = {
+    "reference": "asyncsync.engines.reference:ReferenceEngine",
+    "vllm": "asyncsync.engines.vllm:VllmEngine",
+    "sglang": "asyncsync.engines.sglang:SglangEngine",
+}
+
+
+def register_engine(kind: str, target: str) -> None:
+    """Make ``kind`` usable in ``servers[].kind``; ``target`` is ``"package.module:ClassName"`` of an
+    ``EngineClient`` subclass, imported when a server of that kind is first connected."""
+    if not kind or ":" not in target:
+        raise ValueError(f"register_engine({kind!r}, {target!r}): expected a kind and 'package.module:ClassName'")
+    _REGISTRY[kind] = target
+
+
+def engine_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def engine_class(kind: str) -> type[EngineClient]:
+    from asyncsync.engines.base import EngineClient
+
+    try:
+        module, name = _REGISTRY[kind].split(":")
+    except KeyError:
+        raise ValueError(f"no engine client for kind {kind!r}; registered kinds: {engine_kinds()}") from None
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, EngineClient)):
+        raise TypeError(f"engine kind {kind!r} points at {_REGISTRY[kind]}, which is not an EngineClient subclass")
+    return cls
+
+
+def make_engine(server: ServerConfig, timeout_s: float) -> EngineClient:
+    """A client for ``server``, of the class registered for its kind; ``timeout_s`` bounds each HTTP call."""
+    return engine_class(server.kind)(server, timeout_s)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
-from asyncsync.dataplane import GroupSpec
-from asyncsync.wire import UpdateRequest
+from asyncsync.protocol.wire import GroupSpec, UpdateRequest
+from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
+
+Phase = Literal["begin", "update", "end", "abort"]
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,20 @@ class EngineClient(ABC):
             await client.update(request)              # answered after the server received the buckets;
                                                       # the trainer broadcasts them concurrently
             live = await client.end(version)          # the server now serves `live`
+            # or, when begin/update/end failed or missed its deadline:
+            await client.abort(version)               # undo whatever begin left open
         gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
         await client.close()
 
     ``update`` is sent before the broadcast starts and awaited after it, so no collective ever waits
-    on an HTTP answer. Every call raises ``ServerError`` naming the server on failure. Engine
-    policies (pausing generation, resetting the prefix cache) live in ``begin`` and ``end``; a client
-    whose ``begin`` or ``update`` fails undoes its policies itself, because ``end`` is not called then.
+    on an HTTP answer. Every call raises ``ServerError`` naming the server on failure. Engine policies
+    (pausing generation, resetting the prefix cache, an update session) live in ``begin`` and ``end``.
+    The trainer enforces one deadline per phase, ``calls(phase) x deadlines.http_s`` (each HTTP call
+    has ``http_s`` of its own); a phase that fails or misses its deadline is followed by ``abort``,
+    so no server is ever left paused or inside an update session.
     """
 
-    kind: str
+    kind: ClassVar[str]
     protocol: ClassVar[DataPlaneProtocol] = ASYNCSYNC_PROTOCOL
     keepalive_s: ClassVar[float] = CLIENT_KEEPALIVE_S  # must stay below the server's idle timeout
 
@@ -87,6 +92,16 @@ class EngineClient(ABC):
     @abstractmethod
     async def end(self, version: int) -> int: ...
 
+    async def abort(self, version: int) -> None:
+        """Undo what ``begin`` left open (generation paused, an update session) after ``begin``,
+        ``update`` or ``end`` failed. Idempotent, and never raises: a failure here is logged, as the
+        version's failure is already being reported. Engines with nothing to undo keep this default."""
+
+    def calls(self, phase: Phase, buckets: int) -> int:
+        """The most HTTP calls ``phase`` makes for a version of ``buckets`` buckets: the phase's
+        deadline is this many times ``deadlines.http_s``."""
+        return 1
+
     @abstractmethod
     async def version(self) -> int: ...
 
@@ -98,8 +113,8 @@ class EngineClient(ABC):
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""
         await self.http.get("/health")
 
-    async def best_effort(self, call: Awaitable[None], what: str) -> None:
-        """Undo a policy after a failure that is already being reported: a second failure is logged, not raised."""
+    async def best_effort(self, call: Awaitable[Any], what: str) -> None:
+        """Run a call whose failure must not hide the one already being reported: logged, not raised."""
         try:
             await call
         except ServerError as e:
@@ -118,25 +133,3 @@ def parse_weight_version(url: str, value: Any) -> int:
     except (TypeError, ValueError):
         raise ServerError(url, f"reports weight version {value!r}, which asyncsync did not set: "
                                "versions set by asyncsync are integers") from None
-
-
-_ENGINES: dict[str, type[EngineClient]] = {}
-
-
-def register_engine(kind: str) -> Callable[[type[EngineClient]], type[EngineClient]]:
-    """Class decorator: make an ``EngineClient`` available to ``servers[].kind`` in the config."""
-
-    def wrap(cls: type[EngineClient]) -> type[EngineClient]:
-        cls.kind = kind
-        _ENGINES[kind] = cls
-        return cls
-
-    return wrap
-
-
-def make_engine(server: ServerConfig, timeout_s: float) -> EngineClient:
-    try:
-        cls = _ENGINES[server.kind]
-    except KeyError:
-        raise ValueError(f"no engine client for kind {server.kind!r}; available: {sorted(_ENGINES)}") from None
-    return cls(server, timeout_s)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from asyncsync.dataplane import GroupSpec
-from asyncsync.engines.base import EngineClient, Generation, register_engine
-from asyncsync.wire import InitGroupRequest, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import GroupSpec
+from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest, VersionRequest
 
 
-@register_engine("reference")
 class ReferenceEngine(EngineClient):
+    """The reference server swaps whole versions in and pauses nothing: there is nothing to abort."""
+
+    kind = "reference"
+
     async def world_size(self) -> int:
         return int((await self.http.get("/world_size"))["world_size"])
 

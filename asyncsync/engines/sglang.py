@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import UVICORN_KEEPALIVE_S, ServerError
-from asyncsync.dataplane import GroupSpec
-from asyncsync.engines.base import DataPlaneProtocol, EngineClient, Generation, parse_weight_version, register_engine
-from asyncsync.sglang_wire import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
-from asyncsync.wire import UpdateRequest
+from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
+from asyncsync.protocol.wire import GroupSpec
+from asyncsync.engines.base import DataPlaneProtocol, EngineClient, Generation, Phase, parse_weight_version
+from asyncsync.protocol.sglang import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from asyncsync.protocol.wire import UpdateRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ SGLANG_PROTOCOL = DataPlaneProtocol("sglang", warmup=False, checksum_manifest=Fa
 PAUSE_MODE = "retract"  # unlike "in_place", lets SGLang flush its cache while requests are paused
 
 
-@register_engine("sglang")
 class SglangEngine(EngineClient):
+    kind = "sglang"
     protocol = SGLANG_PROTOCOL
     keepalive_s = UVICORN_KEEPALIVE_S - 1.0
 
@@ -61,26 +61,24 @@ class SglangEngine(EngineClient):
         self._group_name = spec.group_name
 
     async def begin(self, version: int) -> None:
-        try:
-            if self.server.pause:
-                await self._post_checked("/pause_generation", {"mode": PAUSE_MODE}, idempotent=True)
-                self._paused = True
-            if self._sessions is not False:
-                await self._begin_session()
-        except ServerError:
-            await self.best_effort(self._release(), "close the update session or resume generation")
-            raise
+        if self.server.pause:
+            self._paused = True  # set first: a pause whose answer was lost may still have happened
+            await self._post_checked("/pause_generation", {"mode": PAUSE_MODE}, idempotent=True)
+        if self._sessions is not False:
+            await self._begin_session()
 
     async def _begin_session(self) -> None:
+        self._in_session = True  # set first: a session whose answer was lost may still be open
         try:
             await self._post_checked("/begin_weight_update", {})
         except ServerError as e:
             if e.status != 404:
                 raise
+            self._in_session = False
             log.info("%s has no /begin_weight_update (SGLang < 0.5.21): updating without a session", self.url)
             self._sessions = False
             return
-        self._sessions = self._in_session = True
+        self._sessions = True
 
     async def update(self, request: UpdateRequest) -> None:
         """Post every bucket in order. A bucket SGLang refuses (HTTP 400) was still received, so the
@@ -99,17 +97,22 @@ class SglangEngine(EngineClient):
                 await self._post_checked("/update_weights_from_distributed", body.to_json())
             except ServerError as e:
                 if e.status != 400:
-                    await self.best_effort(self._release(), "close the update session or resume generation")
                     raise
                 refused.append(f"bucket {i}: {e}")
         if refused:
-            await self.best_effort(self._release(), "close the update session or resume generation")
             raise ServerError(self.url, f"version {request.version} not applied, {len(refused)} of "
                                         f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}", status=400)
 
     async def end(self, version: int) -> int:
         await self._release()
         return await self.version()
+
+    async def abort(self, version: int) -> None:
+        await self.best_effort(self._release(), "close the update session or resume generation")
+
+    def calls(self, phase: Phase, buckets: int) -> int:
+        pause = int(self.server.pause)
+        return {"begin": 1 + pause, "update": buckets, "end": 2 + pause, "abort": 1 + pause}[phase]
 
     async def _release(self) -> None:
         """Close the update session and resume generation, whichever of them ``begin`` opened."""

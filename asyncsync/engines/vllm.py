@@ -1,6 +1,6 @@
 """Client of vLLM's weight-transfer routes, for a server started with asyncsync's backend.
 
-The server side is ``asyncsync.vllm_plugin``: a ``WeightTransferEngine`` registered under the backend
+The server side is ``asyncsync.receivers.vllm``: a ``WeightTransferEngine`` registered under the backend
 name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, with
 ``VLLM_SERVER_DEV_MODE=1`` for the routes). One version, as vLLM expects it::
 
@@ -17,14 +17,14 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
 from __future__ import annotations
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import UVICORN_KEEPALIVE_S, ServerError
-from asyncsync.dataplane import GroupSpec
-from asyncsync.engines.base import EngineClient, Generation, parse_weight_version, register_engine
-from asyncsync.wire import InitGroupRequest, UpdateRequest
+from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
+from asyncsync.protocol.wire import GroupSpec
+from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
+from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest
 
 
-@register_engine("vllm")
 class VllmEngine(EngineClient):
+    kind = "vllm"
     keepalive_s = UVICORN_KEEPALIVE_S - 1.0
 
     def __init__(self, server: ServerConfig, timeout_s: float):
@@ -38,23 +38,15 @@ class VllmEngine(EngineClient):
         await self.http.post("/init_weight_transfer_engine", {"init_info": InitGroupRequest(spec, rank_offset).to_json()})
 
     async def begin(self, version: int) -> None:
-        try:
-            if self.server.pause:
-                await self.http.post("/pause", params={"mode": "keep"}, idempotent=True)
-                self._paused = True
-            await self.http.post("/start_weight_update")
-        except ServerError:
-            await self.best_effort(self._resume(), "resume generation after a failed update")
-            raise
+        if self.server.pause:
+            self._paused = True  # set first: a pause whose answer was lost may still have happened
+            await self.http.post("/pause", params={"mode": "keep"}, idempotent=True)
+        await self.http.post("/start_weight_update")
 
     async def update(self, request: UpdateRequest) -> None:
         """A refused or failed update leaves vLLM serving the previous weights and its worker out of
-        the update (vLLM ends the update itself when the engine raises), so only the pause is undone."""
-        try:
-            await self.http.post("/update_weights", {"update_info": request.to_json()})
-        except ServerError:
-            await self.best_effort(self._resume(), "resume generation after a failed update")
-            raise
+        the update (vLLM ends the update itself when the engine raises); ``abort`` resumes generation."""
+        await self.http.post("/update_weights", {"update_info": request.to_json()})
 
     async def end(self, version: int) -> int:
         try:
@@ -68,6 +60,13 @@ class VllmEngine(EngineClient):
         finally:
             await self._resume()
         return await self.version()
+
+    async def abort(self, version: int) -> None:
+        await self.best_effort(self._resume(), "resume generation after a failed update")
+
+    def calls(self, phase: Phase, buckets: int) -> int:
+        pause = int(self.server.pause)
+        return {"begin": 1 + pause, "update": 1, "end": 2 + pause + int(self.server.reset_prefix_cache)}.get(phase, 1)
 
     async def _resume(self) -> None:
         if self._paused:

@@ -6,19 +6,15 @@ YAML), e.g. ``weight_sync.async_weight_update=true steps=20``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.config import ConfigError, WeightSyncConfig, from_mapping
 from asyncsync.grpo.task import VOCAB_SIZE
 from asyncsync.models import ModelConfig
-
-_NESTED = {"policy": ModelConfig, "weight_sync": WeightSyncConfig}
-
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -66,20 +62,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GRPOConfig:
-        if not isinstance(data, dict):
-            raise ConfigError("config: expected a mapping at the top level")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown key; valid keys are {sorted(known)}")
-        nested = {}
-        for key, kind in _NESTED.items():
-            if key in data:
-                try:
-                    nested[key] = kind.from_dict(data[key])
-                except ConfigError as e:  # name the section as the user wrote it
-                    raise ConfigError(f"{key}.{str(e).removeprefix('model.')}") from None
-        return cls(**{k: v for k, v in data.items() if k not in _NESTED}, **nested)
+        return from_mapping(cls, data)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

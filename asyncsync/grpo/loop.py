@@ -29,8 +29,8 @@ from asyncsync.grpo.config import GRPOConfig
 from asyncsync.grpo.rollout import Group, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
 from asyncsync.models import build_model
-from asyncsync.server.launch import ServerProcess, running
-from asyncsync.sync import WeightSync
+from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.trainer.sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncsync.config import ServerConfig
-from asyncsync.control import ControlLoop
-from asyncsync.engines import EngineClient, make_engine
+from asyncsync.transport.control import ControlLoop
+from asyncsync.engines import make_engine
+from asyncsync.engines.base import EngineClient
 
 
 @dataclass(frozen=True)

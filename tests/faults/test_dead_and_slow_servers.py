@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.server.receiver import tensor_bytes
 from asyncsync.testing import ServerProcess, mixed_dtype_model
 
 from conftest import TINY
+from helpers import digest
 
-
-def digest(model: torch.nn.Module) -> dict[str, str]:
-    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
 
 
 def step(model: torch.nn.Module, version: int) -> None:

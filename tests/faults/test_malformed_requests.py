@@ -6,7 +6,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from asyncsync.models import build_model
-from asyncsync.server.app import ReferenceServer
+from asyncsync.receivers.reference.app import ReferenceServer
 
 from conftest import TINY
 

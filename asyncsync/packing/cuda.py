@@ -1,0 +1,112 @@
+"""The CUDA pack kernel (csrc/pack_cuda.cu) behind a pack backend, bound with ctypes.
+
+Unexercised: no machine of this project has a GPU. The kernel is compiled by scripts/check_cuda.sh
+with nvcc and its block logic is emulated on the CPU there; nothing here has run on a GPU.
+
+The kernel is written against the plain CUDA runtime with a C ABI (the CPU torch wheel lacks the
+headers ``ATen/cuda`` needs), built with nvcc into a shared library at first use (cached by source
+hash) and called on the caller's current stream. Nothing in ``pack`` waits for the device: the table
+of ranges goes up from pinned memory without blocking, and the checksum comes back as a 0-dim device
+tensor that the caller reads when it needs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from asyncsync.packing import PackBackend, PackBackendUnavailable
+from asyncsync.packing.native import CSRC, CUDA_SOURCE
+
+
+def nvcc_path() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return str(Path(CUDA_HOME) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+@functools.cache
+def cuda_library() -> ctypes.CDLL:
+    """Build pack_cuda.cu into a shared library (cached by source hash) and bind its C ABI."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise PackBackendUnavailable("nvcc not found; install the CUDA toolkit or set CUDA_HOME to build the CUDA pack kernel")
+    if not CUDA_SOURCE.exists():
+        raise PackBackendUnavailable(f"no {CUDA_SOURCE.name} to build: this is not a source checkout")
+    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + (CSRC / "crc32c.h").read_bytes()).hexdigest()[:16]
+    lib_path = Path(get_default_build_root()) / f"asyncsync_pack_cuda_{digest}" / "libasyncsync_pack_cuda.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-std=c++17", "-arch=native", "-shared", "-Xcompiler", "-fPIC", f"-I{CSRC}",
+               str(CUDA_SOURCE), "-o", str(tmp)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise PackBackendUnavailable(f"nvcc failed to build {CUDA_SOURCE.name}:\n{result.stderr[-4000:]}")
+        os.replace(tmp, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.asyncsync_pack_cuda.argtypes = [vp, vp, vp, i64, vp, i64, vp, vp, vp]
+    lib.asyncsync_pack_cuda.restype = ctypes.c_int
+    lib.asyncsync_pack_cuda_workspace_bytes.argtypes = [i64]
+    lib.asyncsync_pack_cuda_workspace_bytes.restype = i64
+    lib.asyncsync_cuda_error_string.argtypes = [ctypes.c_int]
+    lib.asyncsync_cuda_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+class CudaPackBackend(PackBackend):
+    """One kernel launch per bucket, on the caller's current stream; CRC32C computed in the kernel."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise PackBackendUnavailable("the CUDA pack backend needs a CUDA device")
+        self.lib = cuda_library()
+
+    def pack(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
+             checksum: bool) -> torch.Tensor | None:
+        if out.device.type != "cuda" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous 1-D uint8 CUDA tensor, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if len(tensors) != len(offsets):
+            raise ValueError(f"got {len(tensors)} tensors but {len(offsets)} offsets; pass one byte offset per tensor")
+        srcs = [t.detach().contiguous() for t in tensors]
+        rows = sorted((off, t.numel() * t.element_size(), t.data_ptr(), i) for i, (t, off) in enumerate(zip(srcs, offsets)))
+        end = 0
+        for off, size, _, i in rows:
+            if srcs[i].device != out.device:
+                raise ValueError(f"tensor {i} is on {srcs[i].device}, out on {out.device}; move it first")
+            if off < end and size > 0:
+                raise ValueError(f"tensor {i} at offset {off} overlaps the previous range ending at {end}")
+            end = max(end, off + size)
+        if end > out.numel():
+            raise ValueError(f"the tensors need {end} bytes but out has {out.numel()}")
+        table = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
+        # Pinned, so the upload does not block the host; the caching host allocator keeps the block
+        # until the copy has run on this stream.
+        table = table.pin_memory().to(out.device, non_blocking=True)
+        crc_out = torch.empty(1, dtype=torch.int32, device=out.device) if checksum else None
+        workspace = torch.empty(self.lib.asyncsync_pack_cuda_workspace_bytes(end), dtype=torch.uint8, device=out.device)
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        with torch.cuda.device(out.device):  # the launcher sizes its grid for the current device
+            err = self.lib.asyncsync_pack_cuda(
+                table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), len(rows), out.data_ptr(), end,
+                stream, crc_out.data_ptr() if crc_out is not None else None, workspace.data_ptr(),
+            )
+        if err:
+            raise RuntimeError(f"asyncsync_pack_cuda failed: {self.lib.asyncsync_cuda_error_string(err).decode()}")
+        return (crc_out[0].to(torch.int64) & 0xFFFFFFFF) if crc_out is not None else None

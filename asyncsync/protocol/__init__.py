@@ -1,0 +1,16 @@
+"""Everything a receiver needs, and nothing else: this package imports only torch and the standard
+library (the ``crc32c`` package, a C extension with no dependencies, at the first host checksum).
+
+An inference server that receives asyncsync's versions (the reference server, asyncsync's vLLM
+backend, a new engine's receiver) imports from here and never loads the trainer's stack (aiohttp,
+prometheus_client, the sync worker)::
+
+    specs      TensorSpec, Bucket, BucketPlan, dtype names, typed views into flat buffers
+    wire       the control messages: GroupSpec, BucketMeta, UpdateRequest, VersionRequest, InitGroupRequest
+    sglang     SGLang's weight-update messages and its flattened-bucket layout
+    checksum   CRC32C of a bucket, on the host or on the buffer's own device
+    group      DataPlaneGroup: join the trainer's process group (gloo or NCCL) and receive broadcasts
+    staging    BucketStager: receive a version into flat buffers and verify it before anything is applied
+
+Import the submodules directly; this ``__init__`` imports none of them.
+"""

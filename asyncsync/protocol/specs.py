@@ -1,0 +1,186 @@
+"""Tensor specs and the bucket plan: how a version's tensors are laid out in flat byte buckets.
+
+Trainer and receivers both build ``Bucket``s from the same specs, so this module holds the one dtype
+table of the project (wire names, and safetensors' codes for receivers that read checkpoints).
+Only the index structure (``BucketPlan``) is cached between syncs; tensors are fetched fresh at
+every sync (a cached tensor reference goes stale when a parameter object is replaced).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+# Every dtype that can travel: wire name -> (torch dtype, safetensors code).
+_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "F64"), "float32": (torch.float32, "F32"), "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"), "int64": (torch.int64, "I64"), "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"), "int8": (torch.int8, "I8"), "uint8": (torch.uint8, "U8"),
+    "bool": (torch.bool, "BOOL"), "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+}
+_BY_SAFETENSORS = {code: dtype for dtype, code in _DTYPES.values()}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Parse a wire dtype name such as ``"bfloat16"``; errors list the supported names."""
+    try:
+        return _DTYPES[name.removeprefix("torch.")][0]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_from_safetensors(code: str) -> torch.dtype:
+    """A safetensors header's dtype code (``"BF16"``) as a torch dtype."""
+    try:
+        return _BY_SAFETENSORS[code]
+    except KeyError:
+        raise ValueError(f"unsupported safetensors dtype {code!r}; expected one of {sorted(_BY_SAFETENSORS)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def distinct_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop names that alias an earlier tensor (tied weights such as ``lm_head.weight``): sent once.
+
+    Trainer and receivers apply the same rule to the same module layout, so they agree on the names.
+    """
+    seen: set[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        if t.numel():
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key in seen:
+                continue
+            seen.add(key)
+        out[name] = t
+    return out
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor: all a receiver needs to rebuild it from bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer's worth of tensors, ordered by item size descending so offsets need no padding."""
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+
+class BucketPlan:
+    """Buckets of at most ``bucket_bytes``; a tensor larger than that gets a bucket of its own.
+
+    Tensors keep the model's order across buckets; inside a bucket they are sorted by item size
+    descending (stable), so every offset is a multiple of its tensor's item size (item sizes are
+    powers of two) with no padding: the layout SGLang's ``flattened_bucket`` also requires.
+    With ``single_dtype`` (SGLang's receivers need it) tensors are grouped by dtype first, keeping
+    the model's order within a dtype, and no bucket holds two dtypes.
+    """
+
+    def __init__(self, specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, single_dtype: bool = False):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.single_dtype = single_dtype
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError("tensor names must be unique within a plan")
+        self.buckets: tuple[Bucket, ...] = tuple(self._build())
+
+    @classmethod
+    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     single_dtype: bool = False) -> BucketPlan:
+        return cls((TensorSpec.of(n, t) for n, t in named), bucket_bytes, single_dtype)
+
+    def _build(self) -> Iterator[Bucket]:
+        groups: list[list[TensorSpec]] = []
+        current: list[TensorSpec] = []
+        used = 0
+        specs = sorted(self.specs, key=lambda s: (-s.itemsize, dtype_name(s.dtype))) if self.single_dtype else self.specs
+        for spec in specs:
+            if current and (used + spec.nbytes > self.bucket_bytes or (self.single_dtype and spec.dtype != current[0].dtype)):
+                groups.append(current)
+                current, used = [], 0
+            current.append(spec)
+            used += spec.nbytes
+        if current:
+            groups.append(current)
+        for index, group in enumerate(groups):
+            ordered = sorted(group, key=lambda s: -s.itemsize)
+            offsets, offset = [], 0
+            for spec in ordered:
+                offsets.append(offset)
+                offset += spec.nbytes
+            yield Bucket(index, tuple(ordered), tuple(offsets), offset)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    def mismatch(self, named: Mapping[str, torch.Tensor]) -> str | None:
+        """None when ``named`` has exactly this plan's names, dtypes and shapes; else what differs."""
+        for s in self.specs:
+            t = named.get(s.name)
+            if t is None:
+                return f"tensor '{s.name}' is missing"
+            if t.dtype != s.dtype or tuple(t.shape) != s.shape:
+                return f"'{s.name}' is {t.dtype} {tuple(t.shape)}, planned as {s.dtype} {s.shape}"
+        if len(named) != len(self.specs):
+            extra = sorted(set(named) - {s.name for s in self.specs})
+            return f"tensor '{extra[0]}' was not in the plan"
+        return None
+
+    def matches(self, named: Mapping[str, torch.Tensor]) -> bool:
+        """True when ``named`` has exactly this plan's names, dtypes and shapes (the plan is reusable)."""
+        return self.mismatch(named) is None
+
+
+def byte_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed view of ``shape`` at ``offset`` bytes into a flat uint8 buffer (no copy)."""
+    return buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def unpack(buf: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """Views of every tensor of ``bucket`` inside ``buf``; valid until the buffer is reused."""
+    return [(s.name, byte_view(buf, off, s.dtype, s.shape)) for s, off in zip(bucket.specs, bucket.offsets)]

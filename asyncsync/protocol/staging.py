@@ -1,0 +1,212 @@
+"""Receiving a version into flat buffers and verifying it, before anything is applied.
+
+Every receiver shares this half of the job: the reference server (which then swaps the buffers in),
+asyncsync's vLLM engine (which then calls ``model.load_weights`` on views of them) and the reference
+server's SGLang API (which receives one bucket per request). What differs is only how the verified
+bytes are applied, and that stays with each receiver.
+
+A receiver always takes part in every broadcast it was told about before it judges what arrived,
+so a rejected version never leaves the trainer or the other receivers waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from asyncsync.protocol.checksum import crc32c_of
+from asyncsync.protocol.group import DataPlaneGroup
+from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_PROBLEMS = 5
+
+
+class VersionRejected(Exception):
+    """A version was received but not applied; the old weights keep serving. The message says why."""
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A whole version received and verified in flat buffers, not yet applied."""
+
+    version: int
+    buffers: tuple[torch.Tensor, ...]
+    buckets: tuple[Bucket, ...]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Typed views of every tensor inside the buffers, in broadcast order (no copy)."""
+        for buf, bucket in zip(self.buffers, self.buckets):
+            yield from unpack(buf, bucket)
+
+
+@dataclass(frozen=True)
+class _FlatSet:
+    """The buffers of one bucket layout; a set that backs live weights is never received into."""
+
+    layout: tuple[BucketMeta, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+class BucketStager:
+    """Receives buckets from a data-plane group into reusable flat buffers and checks them against
+    the tensors the receiver expects (names, dtypes, shapes, every one exactly once).
+
+    Two ways in, one way out::
+
+        staged = stager.receive(request, served)    # a whole version (asyncsync's protocol)
+        # or, one bucket per call (SGLang's protocol):
+        stager.receive_bucket(meta); ...; staged = stager.seal(version, served)
+        apply(staged.tensors())                      # the receiver's business
+        stager.mark_live(staged)                     # only if the live weights now alias the buffers
+    """
+
+    def __init__(self, expected: Mapping[str, TensorSpec], join_route: str):
+        self.expected = dict(expected)
+        self.join_route = join_route  # named in the error when an update arrives before the group
+        self.group: DataPlaneGroup | None = None
+        self._sets: list[_FlatSet] = []
+        self._live: _FlatSet | None = None
+        self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
+        self._partial_problems: list[str] = []
+
+    def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
+        self.close()
+        self.group = DataPlaneGroup.join(spec, rank, warmup)
+
+    def _require_group(self) -> DataPlaneGroup:
+        if self.group is None:
+            raise VersionRejected(f"no data-plane group: call {self.join_route} before sending updates")
+        return self.group
+
+    # -- a whole version per request ------------------------------------------------------------
+
+    def receive(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+        """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
+        ``VersionRejected`` after the last broadcast if anything is wrong."""
+        group = self._require_group()
+        self.discard()
+        buckets = [meta.to_bucket(i) for i, meta in enumerate(req.buckets)]
+        specs = [s for b in buckets for s in b.specs]
+        problems = self._check_specs(specs, set()) + self._check_complete(buckets, req.version, served_version)
+        target = self._set_for(req.buckets)
+        # Every receive is posted at once; gloo runs them in order while earlier buckets are checksummed.
+        works = [group.broadcast_async(buf) for buf in target.buffers]
+        crcs = []
+        for buf, work in zip(target.buffers, works):
+            group.wait(work)
+            if req.checksum:
+                crcs.append(crc32c_of(buf))
+        if req.checksum:
+            expected = torch.zeros(len(buckets), dtype=torch.int64, device=group.device)
+            group.broadcast(expected)
+            bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if got != want]
+            if bad:
+                problems.append(f"checksum mismatch in bucket(s) {bad}")
+        _reject_if(problems, req.version)
+        return StagedVersion(req.version, target.buffers, tuple(buckets))
+
+    def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
+        """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped."""
+        self._sets = [s for s in self._sets if s is self._live or s.layout == layout]
+        for s in self._sets:
+            if s is not self._live:
+                return s
+        fresh = _FlatSet(layout, tuple(self._new_buffer(m) for m in layout))
+        self._sets.append(fresh)
+        return fresh
+
+    # -- one bucket per request -----------------------------------------------------------------
+
+    def receive_bucket(self, meta: BucketMeta) -> None:
+        """Receive the next bucket of the version being assembled (one broadcast, no checksum);
+        raise ``VersionRejected`` after it if it cannot belong to a valid version.
+
+        Names are unique within a version, so a bucket repeating a name already received starts a
+        new version: the one being assembled was abandoned (a trainer that stopped half-way).
+        """
+        group = self._require_group()
+        received = {s.name for _, _, b in self._partial for s in b.specs}
+        if received.intersection(meta.names):
+            log.warning("discarding an unfinished version of %d bucket(s): a new one started", len(self._partial))
+            self.discard()
+            received = set()
+        index = len(self._partial)
+        bucket = meta.to_bucket(index)
+        buf = self._spare_buffer(index, meta)
+        group.broadcast(buf)
+        self._partial.append((meta, buf, bucket))
+        problems = self._check_specs(bucket.specs, received)
+        if problems:
+            self._partial_problems.extend(problems)
+            _reject_if(problems, None)
+
+    def seal(self, version: int, served_version: int) -> StagedVersion:
+        """Close the version assembled by ``receive_bucket``: it must hold every expected tensor."""
+        parts, earlier = self._partial, self._partial_problems
+        self.discard()
+        buckets = [b for _, _, b in parts]
+        _reject_if(earlier or self._check_complete(buckets, version, served_version), version)
+        fresh = _FlatSet(tuple(m for m, _, _ in parts), tuple(buf for _, buf, _ in parts))
+        self._sets = [s for s in (self._live, fresh) if s is not None]
+        return StagedVersion(version, fresh.buffers, tuple(buckets))
+
+    def discard(self) -> None:
+        """Forget a version being assembled bucket by bucket (its buffers stay for reuse)."""
+        self._partial, self._partial_problems = [], []
+
+    def _spare_buffer(self, index: int, meta: BucketMeta) -> torch.Tensor:
+        for s in self._sets:
+            if s is not self._live and index < len(s.layout) and s.layout[index] == meta:
+                return s.buffers[index]
+        return self._new_buffer(meta)
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
+        group = self._require_group()
+        return torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
+
+    def _check_specs(self, specs: Iterable[TensorSpec], seen: set[str]) -> list[str]:
+        """Problems with ``specs`` given the names ``seen`` earlier in the version (updated in place)."""
+        problems = []
+        for spec in specs:
+            want = self.expected.get(spec.name)
+            if spec.name in seen:
+                problems.append(f"tensor '{spec.name}' sent twice")
+            elif want is None:
+                problems.append(f"unknown tensor '{spec.name}'")
+            elif (want.dtype, want.shape) != (spec.dtype, spec.shape):
+                problems.append(f"'{spec.name}': got {spec.dtype} {spec.shape}, expected {want.dtype} {want.shape}")
+            seen.add(spec.name)
+        return problems
+
+    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int) -> list[str]:
+        problems = []
+        if version <= served_version:
+            problems.append(f"version {version} is not newer than the served version {served_version}")
+        missing = sorted(set(self.expected) - {s.name for b in buckets for s in b.specs})
+        if missing:
+            problems.append(f"{len(missing)} tensor(s) missing from the version, e.g. '{missing[0]}'")
+        return problems
+
+    def mark_live(self, staged: StagedVersion) -> None:
+        """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
+        self._live = next(s for s in self._sets if s.buffers is staged.buffers)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _reject_if(problems: list[str], version: int | None) -> None:
+    if problems:
+        what = f"version {version}" if version is not None else "bucket"
+        log.warning("rejected %s: %s", what, "; ".join(problems))
+        raise VersionRejected(f"{what} rejected: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS]))

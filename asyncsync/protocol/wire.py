@@ -1,0 +1,187 @@
+"""Messages of the weight-update protocol, as frozen dataclasses that validate what they parse.
+
+A bucket travels as metadata over HTTP (names, dtypes, shapes, in packing order) and as bytes over
+the data plane. Offsets are implied by the order, exactly as in SGLang's flattened bucket: each tensor
+starts where the previous one ended, so the receiver recomputes them and checks their alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from asyncsync.protocol.specs import Bucket, TensorSpec, dtype_from_name, dtype_name
+
+
+class WireError(ValueError):
+    """A control request is malformed; the message says which field and why (answered with HTTP 400)."""
+
+
+def _field(data: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise WireError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if key not in data:
+        raise WireError(f"{where}: missing field '{key}'")
+    value = data[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise WireError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _version(data: Any, where: str) -> int:
+    v = _field(data, "version", int, where)
+    if v < 0:
+        raise WireError(f"{where}.version: must be >= 0, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a member needs to join a data-plane group: where the rendezvous store is, how many
+    ranks, the group's name (the store prefix), the backend and the deadline of every collective."""
+
+    host: str
+    port: int
+    world_size: int
+    group_name: str
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise WireError(f"group.port: {self.port} is not a port number")
+        if self.world_size < 2:
+            raise WireError(f"group.world_size: a group needs the trainer and at least one receiver, got {self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise WireError(f"group.backend: expected 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.group_name:
+            raise WireError("group.group_name: must not be empty")
+        if self.timeout_s <= 0:
+            raise WireError(f"group.timeout_s: must be positive, got {self.timeout_s}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """The metadata of one bucket: names, dtypes and shapes in packing order, and its byte size."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, bucket: Bucket) -> BucketMeta:
+        return cls(
+            tuple(s.name for s in bucket.specs), tuple(dtype_name(s.dtype) for s in bucket.specs),
+            tuple(s.shape for s in bucket.specs), bucket.nbytes,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes], "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "bucket") -> BucketMeta:
+        names = _field(data, "names", list, where)
+        dtypes = _field(data, "dtypes", list, where)
+        shapes = _field(data, "shapes", list, where)
+        nbytes = _field(data, "nbytes", int, where)
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise WireError(f"{where}: names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        if not names:
+            raise WireError(f"{where}: a bucket must hold at least one tensor")
+        if nbytes < 0:
+            raise WireError(f"{where}.nbytes: must be >= 0, got {nbytes}")
+        for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
+            if not isinstance(n, str) or not n:
+                raise WireError(f"{where}.names[{i}]: expected a non-empty string, got {n!r}")
+            if not isinstance(d, str):
+                raise WireError(f"{where}.dtypes[{i}]: expected a dtype name, got {d!r}")
+            if not isinstance(s, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+                raise WireError(f"{where}.shapes[{i}]: expected a list of non-negative integers, got {s!r}")
+        meta = cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), nbytes)
+        meta.to_bucket(0, where)  # validates dtypes, alignment and the byte count
+        return meta
+
+    def to_bucket(self, index: int, where: str = "bucket") -> Bucket:
+        """Rebuild the bucket with offsets implied by order; rejects misaligned or mis-sized layouts."""
+        specs, offsets, offset = [], [], 0
+        for i, (name, d, shape) in enumerate(zip(self.names, self.dtypes, self.shapes)):
+            try:
+                spec = TensorSpec(name, dtype_from_name(d), shape)
+            except ValueError as e:
+                raise WireError(f"{where}.dtypes[{i}]: {e}") from None
+            if offset % spec.itemsize:
+                raise WireError(f"{where}: tensor '{name}' would start at byte {offset}, not a multiple of its item size {spec.itemsize}")
+            specs.append(spec)
+            offsets.append(offset)
+            offset += spec.nbytes
+        if offset != self.nbytes:
+            raise WireError(f"{where}.nbytes: is {self.nbytes} but the tensors add up to {offset} bytes")
+        return Bucket(index, tuple(specs), tuple(offsets), offset)
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """A whole version: every bucket's metadata, in broadcast order. With ``checksum`` the trainer
+    broadcasts one more int64 tensor after the last bucket: the CRC32C of every bucket."""
+
+    version: int
+    buckets: tuple[BucketMeta, ...]
+    checksum: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "buckets": [b.to_json() for b in self.buckets], "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, data: Any) -> UpdateRequest:
+        version = _version(data, "update")
+        raw = _field(data, "buckets", list, "update")
+        if not raw:
+            raise WireError("update.buckets: must list at least one bucket")
+        checksum = _field(data, "checksum", bool, "update")
+        return cls(version, tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw)), checksum)
+
+
+@dataclass(frozen=True)
+class VersionRequest:
+    """``begin`` and ``end`` carry only the version they are about."""
+
+    version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> VersionRequest:
+        return cls(_version(data, where))
+
+
+@dataclass(frozen=True)
+class InitGroupRequest:
+    """Join the data-plane group ``group`` as rank ``rank_offset`` (the trainer is rank 0)."""
+
+    group: GroupSpec
+    rank_offset: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group.to_json(), "rank_offset": self.rank_offset}
+
+    @classmethod
+    def from_json(cls, data: Any) -> InitGroupRequest:
+        w = "init_group"
+        g = _field(data, "group", dict, w)
+        fields = {k: _field(g, k, kind, f"{w}.group") for k, kind in
+                  (("host", str), ("port", int), ("world_size", int), ("group_name", str), ("backend", str),
+                   ("timeout_s", (int, float)))}
+        try:
+            group = GroupSpec(**{**fields, "timeout_s": float(fields["timeout_s"])})
+        except WireError as e:
+            raise WireError(f"{w}.{e}") from None
+        return cls(group, _field(data, "rank_offset", int, w))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank_offset < self.group.world_size:
+            raise WireError(f"init_group.rank_offset: must be in [1, world_size={self.group.world_size}), got {self.rank_offset}")

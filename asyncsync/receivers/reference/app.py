@@ -1,0 +1,191 @@
+"""The reference server's HTTP API (aiohttp): generation, health, version and the weight-update protocol.
+
+Routes (JSON in and out)::
+
+    GET  /health            {"status": "ok", "version": v}
+    GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
+    GET  /world_size        {"world_size": 1}     data-plane ranks this server needs
+    GET  /weights/digest    {"version": v, "digest": {name: sha256}}
+    POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
+                            -> {"completions": [[ids]], "weight_version": v}
+    POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
+    POST /begin             {"version": v}
+    POST /update            UpdateRequest; answered once every bucket is received and verified
+    POST /end               {"version": v} -> {"version": v}   swaps the staged version in
+
+It also speaks SGLang's weight-update API (``asyncsync.receivers.reference.sglang_api``), so a config may address
+it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang < 0.5.21.
+
+Data-plane work runs on one dedicated thread and generation on another, so the server keeps
+generating with the old weights while a new version streams in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import random
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from asyncsync.models import generate
+from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.specs import distinct_tensors
+from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest, VersionRequest, WireError
+from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
+from asyncsync.receivers.reference.sglang_api import SglangApi
+from asyncsync.transport.control import new_event_loop
+
+log = logging.getLogger(__name__)
+
+MAX_NEW_TOKENS = 4096
+MAX_SAMPLES = 256
+SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the weight-update group
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ReferenceServer:
+    """Holds the model, the receiver and the two worker threads behind the routes."""
+
+    def __init__(self, model: torch.nn.Module, token: str | None = None, apply_delay_s: float = 0.0,
+                 sglang_sessions: bool = True):
+        self.model = model
+        self.token = token
+        self.apply_delay_s = apply_delay_s  # fault injection for tests: a random sleep before each swap-in
+        self.serve_lock = threading.Lock()
+        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
+        self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
+        self.sglang = SglangApi(self.receiver, functools.partial(self._run, self._comm), sglang_sessions, SGLANG_GROUP_TIMEOUT_S)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/health", self.health), web.get("/version", self.get_version),
+            web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
+            web.post("/generate", self.generate), web.post("/init_group", self.init_group),
+            web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
+            *self.sglang.routes(),
+        ])
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        self.receiver.close()
+        self._comm.shutdown(wait=False, cancel_futures=True)
+        self._gen.shutdown(wait=False, cancel_futures=True)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except WireError as e:
+            return _error(400, str(e))
+        except VersionRejected as e:
+            return _error(409, str(e))
+        except DataPlaneError as e:
+            return _error(503, str(e))
+
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": self.receiver.version})
+
+    async def get_version(self, _r: web.Request) -> web.Response:
+        return web.json_response({"version": self.receiver.version, "applied": list(self.receiver.applied)})
+
+    async def world_size(self, _r: web.Request) -> web.Response:
+        return web.json_response({"world_size": 1})
+
+    async def digest(self, _r: web.Request) -> web.Response:
+        version, digest = await self._run(self._gen, self.receiver.digest)
+        return web.json_response({"version": version, "digest": digest})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        prompt = body.get("prompt")
+        vocab = self.model.config.vocab_size
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise WireError(f"generate.prompt: expected a non-empty list of token ids in [0, {vocab})")
+        max_new = _int(body, "max_new_tokens", 16, 0, MAX_NEW_TOKENS)
+        n = _int(body, "n", 1, 1, MAX_SAMPLES)
+        temperature = body.get("temperature", 0.0)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise WireError("generate.temperature: expected a number >= 0")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise WireError("generate.seed: expected an integer or null")
+
+        def run() -> tuple[list[list[int]], int]:
+            gen = torch.Generator().manual_seed(seed) if seed is not None else None
+            with self.serve_lock:  # one version for the whole request
+                return generate(self.model, prompt, max_new, n, float(temperature), gen), self.receiver.version
+
+        completions, version = await self._run(self._gen, run)
+        return web.json_response({"completions": completions, "weight_version": version})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        req = InitGroupRequest.from_json(await _json(request))
+        await self._run(self._comm, self.receiver.join, req.group, req.rank_offset)
+        return web.json_response({"ok": True, "rank": req.rank_offset})
+
+    async def begin(self, request: web.Request) -> web.Response:
+        # Never refused: a stale version is judged in /update, after its broadcasts were consumed,
+        # so a refusal here cannot leave the trainer waiting in a collective.
+        VersionRequest.from_json(await _json(request), "begin")
+        return web.json_response({"ok": True})
+
+    async def update(self, request: web.Request) -> web.Response:
+        req = UpdateRequest.from_json(await _json(request))
+        await self._run(self._comm, self.receiver.receive, req)
+        return web.json_response({"ok": True, "version": req.version})
+
+    async def end(self, request: web.Request) -> web.Response:
+        req = VersionRequest.from_json(await _json(request), "end")
+        if self.apply_delay_s:
+            await asyncio.sleep(random.uniform(0, self.apply_delay_s))
+        version = await self._run(self._comm, self.receiver.commit, req.version)
+        return web.json_response({"version": version})
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise WireError(f"{request.path}: the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise WireError(f"{request.path}: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise WireError(f"generate.{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, apply_delay_s: float = 0.0) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
+    app = ReferenceServer(model, token, apply_delay_s).app()
+    web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

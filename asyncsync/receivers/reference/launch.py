@@ -1,0 +1,104 @@
+"""Reference servers in child processes: the embedded servers of the GRPO demo, benchmarks and tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from asyncsync.protocol.group import free_port
+from asyncsync.models import ModelConfig, build_model
+
+ModelFactory = Callable[..., torch.nn.Module]
+
+
+def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None,
+           apply_delay_s: float) -> None:
+    import logging
+
+    from asyncsync.receivers.reference.app import run_server
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    run_server(factory(*factory_args), host, port, token, apply_delay_s)
+
+
+class ServerProcess:
+    """A reference server in a spawned child process; always terminated (then killed) on exit.
+
+    with ServerProcess(mixed_dtype_model, (cfg,)) as server:
+        server.url  # http://127.0.0.1:PORT, healthy
+    """
+
+    def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
+                 token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
+                 apply_delay_s: float = 0.0, port: int | None = None):
+        self.host, self.port, self.token = host, port or free_port(host), token
+        self.url = f"http://{host}:{self.port}"
+        self._start_timeout_s = start_timeout_s
+        self.process = mp.get_context("spawn").Process(
+            target=_serve, args=(factory, factory_args, host, self.port, token, apply_delay_s), daemon=True
+        )
+
+    def start(self) -> ServerProcess:
+        self.process.start()
+        deadline = time.monotonic() + self._start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.is_alive():
+                raise RuntimeError(f"reference server on port {self.port} exited with code {self.process.exitcode}")
+            try:
+                self.get("/health", timeout=1.0)
+                return self
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"reference server on port {self.port} not healthy within {self._start_timeout_s}s")
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def get(self, path: str, timeout: float = 60.0) -> Any:
+        return self.call("GET", path, None, timeout)
+
+    def post(self, path: str, body: Mapping[str, Any] | None, timeout: float = 60.0) -> Any:
+        return self.call("POST", path, body, timeout)
+
+    def call(self, method: str, path: str, body: Any, timeout: float = 60.0, raw: bytes | None = None) -> Any:
+        """Plain blocking HTTP for tests; raises ``urllib.error.HTTPError`` on 4xx/5xx."""
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def running(servers: list[ServerProcess]) -> Iterator[list[ServerProcess]]:
+    """Start every server; stop every one on exit, also when a start fails or on Ctrl-C."""
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

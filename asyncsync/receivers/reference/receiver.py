@@ -1,0 +1,93 @@
+"""The reference server's receiving side: stage a version in flat buffers, swap it in whole."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
+
+__all__ = ["VersionRejected", "WeightReceiver", "tensor_bytes"]
+
+
+class WeightReceiver:
+    """Receives a version into flat staging buffers and swaps it in only when all of it arrived intact.
+
+    Lifecycle::
+
+        receiver.join(spec, rank)
+        for version in updates:
+            receiver.receive(request)      # takes part in every broadcast, even for a bad request
+            receiver.commit(version)       # live tensors become views of the received buffers
+
+    SGLang's protocol sends a version one bucket per request instead: ``receive_bucket`` for each,
+    then ``seal`` with the version, then ``commit``. Either way bytes land directly in the buffers the
+    model will use (no unpack copy), and the buffers backing the live weights are never received into.
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0):
+        self._live = dict(weights)
+        self.serve_lock = serve_lock
+        self.version = version
+        self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
+        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group")
+        self._staged: StagedVersion | None = None
+
+    def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
+        self.stager.join(spec, rank, warmup)
+
+    def receive(self, req: UpdateRequest) -> None:
+        """Receive every bucket of ``req``; raise ``VersionRejected`` after the last one if anything
+        was wrong (unknown name, shape or dtype, missing tensor, bad checksum, stale version)."""
+        self._staged = None
+        self._staged = self.stager.receive(req, self.version)
+
+    def receive_bucket(self, meta: BucketMeta) -> None:
+        """Receive one bucket of a version sent bucket by bucket (SGLang's protocol)."""
+        self._staged = None
+        self.stager.receive_bucket(meta)
+
+    def discard(self) -> None:
+        """Forget the buckets received since the last version (a version abandoned half-way)."""
+        self.stager.discard()
+
+    def seal(self, version: int) -> None:
+        """The buckets received since the last version form ``version``: check it is whole, stage it."""
+        self._staged = self.stager.seal(version, self.version)
+
+    def commit(self, version: int) -> int:
+        """Point every live tensor at its bytes in the received buffers, under ``serve_lock`` so
+        generation never sees a torn state."""
+        staged = self._staged
+        if staged is None or staged.version != version:
+            have = staged.version if staged else None
+            raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
+        with self.serve_lock, torch.no_grad():
+            for name, view in staged.tensors():
+                self._live[name].set_(view)  # the live tensor now aliases its bytes in the buffer
+            self.version = version
+            self.applied.append(version)
+            self.stager.mark_live(staged)
+        self._staged = None
+        return version
+
+    def digest(self) -> tuple[int, dict[str, str]]:
+        """The served version and the SHA-256 of every live tensor's bytes, taken together: compares
+        weights bit for bit without shipping them."""
+        with self.serve_lock:
+            return self.version, {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self._live.items()}
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in C order, whatever its dtype (bfloat16 has no numpy dtype)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -1,0 +1,117 @@
+"""Per-sync timings and counters, as a dict and as Prometheus text."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+@dataclass
+class SyncResult:
+    """What one sync of one version did, and where its time went (seconds)."""
+
+    version: int
+    nbytes: int
+    buckets: int
+    snapshot_s: float = 0.0  # copy of the parameters into packed buffers (async mode)
+    pack_s: float = 0.0      # packing into the ring buffers (blocking mode)
+    wire_s: float = 0.0      # broadcasts, from the first posted to the last finished
+    apply_s: float = 0.0     # waiting for the servers to verify and swap in
+    total_s: float = 0.0
+    server_versions: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # servers that did not apply it, and why
+    started: float = 0.0   # time.perf_counter() when the snapshot (async) or the pack (blocking) began
+    send_started: float = 0.0
+    finished: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.total_s / 1e9 if self.total_s else 0.0
+
+
+@dataclass(frozen=True)
+class SyncEvent:
+    """Something that happened to a server: ``evicted``, ``rejoined`` or ``refused`` (a version)."""
+
+    kind: str
+    server: str
+    version: int | None
+    detail: str
+    at: float  # time.time()
+
+
+class SyncMetrics:
+    """Thread-safe counters for one ``WeightSync``; the worker writes, anyone reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.published = 0
+        self.sent = 0
+        self.superseded = 0
+        self.failed = 0
+        self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
+        self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
+        self.last: SyncResult | None = None
+        self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
+        self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._p_versions = Counter("asyncsync_versions", "Versions by outcome", ["outcome"], registry=r)
+        self._p_bytes = Counter("asyncsync_bytes_sent", "Bytes broadcast to the servers", registry=r)
+        self._p_stall = Counter("asyncsync_boundary_stall_seconds", "Time the trainer waited in wait_snapshot", registry=r)
+        self._p_phase = Histogram("asyncsync_sync_phase_seconds", "Seconds per sync phase", ["phase"], registry=r)
+        self._p_gbps = Gauge("asyncsync_last_sync_gbps", "Throughput of the last sync (GB/s)", registry=r)
+        self._p_events = Counter("asyncsync_server_events", "Evictions, rejoins and refused versions", ["kind"], registry=r)
+        self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
+        self._p_buffers = Gauge("asyncsync_buffer_bytes", "Bytes of the sync's own buffers on the weights' device", registry=r)
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        """``outcome`` is one of published, sent, superseded, failed."""
+        with self._lock:
+            setattr(self, outcome, getattr(self, outcome) + n)
+        self._p_versions.labels(outcome).inc(n)
+
+    def event(self, kind: str, server: str, version: int | None, detail: str) -> None:
+        with self._lock:
+            self.events.append(SyncEvent(kind, server, version, detail, time.time()))
+        self._p_events.labels(kind).inc()
+
+    def stalled(self, seconds: float) -> None:
+        with self._lock:
+            self.stall_s += seconds
+        self._p_stall.inc(seconds)
+
+    def allocated(self, nbytes: int) -> None:
+        with self._lock:
+            self.buffer_bytes = nbytes
+        self._p_buffers.set(nbytes)
+
+    def record(self, result: SyncResult) -> None:
+        with self._lock:
+            self.last = result
+            self.history.append(result)
+        self._p_bytes.inc(result.nbytes)
+        for phase in ("snapshot", "pack", "wire", "apply", "total"):
+            self._p_phase.labels(phase).observe(getattr(result, f"{phase}_s"))
+        self._p_gbps.set(result.gbps)
+        for server, version in result.server_versions.items():
+            self._p_server.labels(server).set(version)
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            last = asdict(self.last) if self.last else None
+            if self.last:
+                last["gbps"] = self.last.gbps
+            return {
+                "published": self.published, "sent": self.sent, "superseded": self.superseded,
+                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes, "last": last,
+                "events": [asdict(e) for e in self.events],
+            }
+
+    def prometheus_text(self) -> str:
+        return generate_latest(self.registry).decode()

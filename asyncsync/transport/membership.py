@@ -1,0 +1,189 @@
+"""Which servers are in the trainer's data-plane groups, epoch by epoch.
+
+Lifecycle (``transport.send.send_version`` is what moves a version through it)::
+
+    members = Membership.connect(config, control, metrics, device)   # epoch 1; unreachable servers start evicted
+    for version in versions:
+        result = send_version(members, version, plan, source)        # readmits, evicts and rebuilds as needed
+    members.close()
+
+An epoch is one set of data-plane groups over one set of servers (group name ``<group_name>.<epoch>``,
+fresh ports after the first). A new epoch starts whenever a server is evicted, a collective fails, or
+an evicted server answers again. Servers that are out are probed at most every ``readmit_interval_s``;
+one that answers rejoins and gets the next full version (every version is sent whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import torch
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.engines import make_engine
+from asyncsync.engines.base import EngineClient
+from asyncsync.protocol.group import DataPlaneError
+from asyncsync.trainer.metrics import SyncMetrics
+from asyncsync.transport.control import ControlLoop, ServerError
+from asyncsync.transport.topology import GroupLayout, TrainerGroups
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """No server could be reached at all; the message lists each server's failure."""
+
+
+class Membership:
+    """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
+
+    def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, device: torch.device):
+        self.config, self.control, self.metrics, self.device = config, control, metrics, device
+        self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s) for s in config.servers]
+        self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
+        self.members: list[EngineClient] = []
+        self.evicted: dict[str, str] = {}
+        self.group: TrainerGroups | None = None
+        self.epoch = 0
+        self._next_probe = 0.0
+
+    @classmethod
+    def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, device: torch.device) -> Membership:
+        """Form the first groups; servers that do not answer start evicted. Raises ``SyncError`` only
+        when no server at all could join (and then leaves nothing open)."""
+        members = cls(config, control, metrics, device)
+        try:
+            members.form(members.engines)
+            if not members.members:
+                raise SyncError("no server could join the data plane: " + "; ".join(members.evicted.values()))
+        except BaseException:
+            members.close()
+            raise
+        return members
+
+    @property
+    def single_dtype_buckets(self) -> bool:
+        return any(e.protocol.single_dtype_buckets for e in self.engines)
+
+    def member_versions(self) -> dict[str, int]:
+        """The versions of the servers currently in the groups (evicted ones excluded)."""
+        return {e.url: self.server_versions[e.url] for e in self.members}
+
+    def call_all(self, engines: Iterable[EngineClient], call: Callable[[EngineClient], Awaitable[Any]],
+                 what: str) -> dict[str, Any]:
+        """``call`` on every engine concurrently, each within http_s; results or exceptions by URL."""
+        deadline = self.config.deadlines.http_s
+        return self.control.run(gather(list(engines), lambda e: within(e, call(e), deadline, what)), deadline + 5)
+
+    # -- epochs ---------------------------------------------------------------------------------
+
+    def form(self, candidates: list[EngineClient]) -> None:
+        """(Re)build the groups over the candidates that answer, in config order; evict the others."""
+        self.drop_group()
+        cfg = self.config
+        sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        alive = self._drop_unreachable(candidates, sizes)
+        while alive:
+            self.epoch += 1
+            # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
+            epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.epoch}", master_port=cfg.master_port if self.epoch == 1 else 0)
+            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.device)
+            joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
+            try:
+                group: TrainerGroups | None = layout.join()  # returns once every server's ranks joined
+            except DataPlaneError as e:
+                log.warning("epoch %d: forming the groups failed: %s", self.epoch, e)
+                group = None
+            answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
+            still = self._drop_unreachable(alive, answers)
+            if group is not None and len(still) == len(alive):
+                self.group, self.members = group, alive
+                log.info("epoch %d: data-plane groups of %s ranks over %d server(s)", self.epoch,
+                         [spec.world_size for _, spec in layout.groups], len(alive))
+                break
+            if group is not None:
+                group.close()
+            if len(still) == len(alive):  # everyone answered yet the group did not form: give up this round
+                for e in alive:
+                    self.evict(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
+                still = []
+            alive = still
+        else:
+            self.members = []
+        for e in self.members:
+            if self.evicted.pop(e.url, None) is not None:
+                self.metrics.event("rejoined", e.url, None, f"epoch {self.epoch}")
+        versions = self.call_all(self.members, lambda e: e.version(), "version")
+        self.server_versions.update({u: v for u, v in versions.items() if not isinstance(v, BaseException)})
+
+    def rebuild(self, lost: Iterable[str] = ()) -> None:
+        """A new epoch over the members not in ``lost`` (after a failed collective or an eviction)."""
+        gone = set(lost)
+        self.form([e for e in self.members if e.url not in gone])
+
+    def drop_group(self) -> None:
+        """Abandon the current epoch's groups (a receiver still waiting in one fails, see DataPlaneGroup.close)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def evict(self, url: str, reason: str) -> None:
+        if url not in self.evicted:
+            self.metrics.event("evicted", url, None, reason)
+            log.warning("evicted %s: %s", url, reason)
+        self.evicted[url] = reason
+
+    def _drop_unreachable(self, engines: list[EngineClient], answers: dict[str, Any]) -> list[EngineClient]:
+        """Evict the engines whose answer is a failure; return the others."""
+        kept = []
+        for e in engines:
+            answer = answers[e.url]
+            if isinstance(answer, BaseException):
+                self.evict(e.url, str(answer) or type(answer).__name__)
+            else:
+                kept.append(e)
+        return kept
+
+    def readmit(self) -> None:
+        """Probe evicted servers (rate-limited); rebuild with those that answer."""
+        now = time.monotonic()
+        if not self.evicted or now < self._next_probe:
+            return
+        self._next_probe = now + self.config.readmit_interval_s
+        out = [e for e in self.engines if e.url in self.evicted]
+        probes = self.call_all(out, lambda e: e.health(), "health")
+        back = [e for e in out if not isinstance(probes[e.url], BaseException)]
+        if back:
+            self.form([e for e in self.engines if e in self.members or e in back])
+
+    def close(self) -> None:
+        """Close every server's connections and the groups; bounded, never raises."""
+        if not self.control.loop.is_closed():
+            try:
+                self.control.run(gather(self.engines, lambda e: e.close()), timeout=10)
+            except Exception as e:  # closing is best effort: the sockets go with the process anyway
+                log.warning("closing the control-plane sessions failed: %s", e)
+        self.drop_group()
+
+
+async def within(engine: EngineClient, call: Awaitable[Any], deadline_s: float, what: str) -> Any:
+    """Await ``call``, or raise ``ServerError`` (timed out) naming the server and ``what`` at the deadline."""
+    try:
+        return await asyncio.wait_for(call, deadline_s)
+    except asyncio.TimeoutError:
+        raise ServerError(engine.url, f"{what} missed its deadline of {deadline_s:.1f}s", timed_out=True) from None
+
+
+async def gather(engines: list[EngineClient], call: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, Any]:
+    """Call every server concurrently; each server's result or exception, keyed by URL."""
+    results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+    return {e.url: r for e, r in zip(engines, results)}
+
+
+def lowest_member_version(memberships: Iterable[Membership], default: int) -> int:
+    """The oldest version served by a server in a group (evicted servers excluded), or ``default``."""
+    return min((v for m in memberships for v in m.member_versions().values()), default=default)

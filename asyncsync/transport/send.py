@@ -1,0 +1,156 @@
+"""Sending one version to every member: the HTTP phases around the data-plane broadcasts.
+
+    result = send_version(members, version, plan, source)
+
+For each server, concurrently, in the control loop: ``begin``, then ``update`` (posted before the
+first broadcast, answered by the server once every bucket arrived), then, after the trainer's
+broadcasts, ``end``. Each phase has its own deadline, ``engine.calls(phase) x deadlines.http_s``,
+enforced inside the control loop; a phase that fails or misses it is followed by ``abort`` (resume
+generation, close an update session), so no server is left paused. The trainer's own waits on the
+control loop are derived from those deadlines. Nothing raises for a server's failure: it is in
+``result.failures`` and in the metrics' events (``evicted`` for a server that gave no answer,
+``refused`` for one that answered no). No collective ever waits on an HTTP answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any, Protocol
+
+import torch
+
+from asyncsync.engines.base import EngineClient
+from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.specs import Bucket, BucketPlan
+from asyncsync.protocol.wire import BucketMeta, UpdateRequest
+from asyncsync.trainer.metrics import SyncResult
+from asyncsync.transport.control import ServerError
+from asyncsync.transport.membership import Membership, gather, within
+
+log = logging.getLogger(__name__)
+
+SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines inside it
+
+
+class BucketSource(Protocol):
+    """Where ``send_version`` takes each bucket's bytes from (``trainer.buffers``).
+
+    ``depth`` is how many buffers the source cycles through (None: one per bucket, all ready):
+    ``bucket`` for bucket i is asked for only after the broadcast of bucket i - depth finished, so a
+    ring buffer is never rewritten while it is on the wire. ``bucket`` returns the flat bytes and
+    their CRC32C (an int, a 0-dim device tensor, or None without checksums)."""
+
+    depth: int | None
+
+    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, int | torch.Tensor | None]: ...
+
+
+def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
+                 result: SyncResult | None = None) -> SyncResult:
+    """Broadcast every bucket of ``plan`` from ``source`` and have every member apply ``version``.
+
+    The time ``source.bucket`` takes is counted as ``pack_s``. Never raises for a server's failure:
+    see ``result.failures`` and the metrics' events."""
+    cfg = members.config
+    members.readmit()
+    result = result or SyncResult(version, plan.total_bytes, len(plan.buckets))
+    start = time.perf_counter()
+    result.send_started = start
+    result.started = result.started or start
+    if members.group is None:
+        result.failures = dict(members.evicted)
+        result.finished = time.perf_counter()
+        return result
+    engines = list(members.members)
+    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum)
+    n = len(plan.buckets)
+    http_s = cfg.deadlines.http_s
+
+    def deadline(e: EngineClient, phase: str) -> float:
+        return e.calls(phase, n) * http_s  # type: ignore[arg-type]
+
+    async def abort(e: EngineClient) -> None:
+        """Undo the server's open policies; its own failure is logged, never raised over the first."""
+        try:
+            await within(e, e.abort(version), deadline(e, "abort"), "abort")
+        except ServerError as err:
+            log.warning("%s", err)
+
+    async def begin_and_update(e: EngineClient) -> None:
+        try:
+            await within(e, e.begin(version), deadline(e, "begin"), "begin")
+            await within(e, e.update(request), deadline(e, "update"), "update")
+        except Exception:
+            await abort(e)
+            raise
+
+    async def end(e: EngineClient) -> int:
+        try:
+            return await within(e, e.end(version), deadline(e, "end"), "end")
+        except Exception:
+            await abort(e)
+            raise
+
+    posted = members.control.submit(gather(engines, begin_and_update))
+    broken = _broadcast(members, plan, source, result)
+    if broken is not None:
+        members.drop_group()
+    result.wire_s = time.perf_counter() - start - result.pack_s
+    t0 = time.perf_counter()
+    updated = _collect(posted, engines, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+    took = [e for e in engines if not isinstance(updated[e.url], BaseException)]
+    ended = _collect(members.control.submit(gather(took, end)), took,
+                     max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
+    result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
+    members.server_versions.update(result.server_versions)
+    failures = {u: r for u, r in (updated | ended).items() if isinstance(r, BaseException)}
+    result.failures = {u: str(r) for u, r in failures.items()}
+    unreachable = [u for u, r in failures.items() if not (isinstance(r, ServerError) and r.status is not None)]
+    for url, err in failures.items():
+        if url not in unreachable:
+            members.metrics.event("refused", url, version, str(err))
+    for url in unreachable:
+        members.evict(url, result.failures[url])
+    if broken is not None or unreachable:
+        members.form([e for e in engines if e.url not in unreachable])
+    result.apply_s = time.perf_counter() - t0
+    result.finished = time.perf_counter()
+    result.total_s = result.finished - result.started
+    return result
+
+
+def _collect(future: concurrent.futures.Future[dict[str, Any]], engines: list[EngineClient], within_s: float) -> dict[str, Any]:
+    """The per-server results of a control-loop gather. Its phases carry their own deadlines, so the
+    wait here only guards against a bug: past them, every server still pending counts as failed."""
+    try:
+        return future.result(within_s + SLACK_S)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return {e.url: ServerError(e.url, f"no answer within {within_s:.1f}s", timed_out=True) for e in engines}
+
+
+def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, result: SyncResult) -> DataPlaneError | None:
+    """Every bucket, then the checksum manifest; returns the data-plane failure, if any."""
+    assert members.group is not None
+    group, works, crcs = members.group, [], []
+    depth = source.depth
+    try:
+        for i, bucket in enumerate(plan.buckets):
+            if depth is not None and i >= depth:
+                group.wait(works[i - depth])  # that buffer is rewritten only once its broadcast finished
+            t0 = time.perf_counter()
+            buf, crc = source.bucket(bucket)
+            result.pack_s += time.perf_counter() - t0
+            if crc is not None:
+                crcs.append(crc)
+            works.append(group.broadcast_async(buf))
+        for work in works:
+            group.wait(work)
+        if members.config.checksum:
+            group.broadcast_checksums(crcs)
+    except DataPlaneError as e:
+        log.warning("data plane failed in epoch %d: %s", members.epoch, e)
+        return e
+    return None

@@ -1,0 +1,115 @@
+"""Which data-plane group each server joins, and the trainer's rank 0 in all of them.
+
+Servers take part in a group according to their engine's ``DataPlaneProtocol``: asyncsync's receivers
+(the reference server, asyncsync's vLLM backend) warm the group up and verify a CRC32C manifest after
+the last bucket; SGLang does neither. A collective has to be the same on every rank, so each protocol
+gets a group of its own: one group when every server speaks the same protocol, and the trainer
+broadcasts each bucket once per group when a config mixes them. Groups are built with the same store
+layout (SGLang's), on one port each: ``master_port`` + i when a port is configured, free ports otherwise.
+
+    layout = GroupLayout.of(config, engines, world_sizes)
+    # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
+    groups = layout.join()                    # rank 0 of every group, returns once all joined
+    works = groups.broadcast_async(bucket)    # into every group
+    groups.wait(works)
+    groups.broadcast_checksums(crcs)          # only to the groups whose protocol expects them
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.protocol.group import DataPlaneGroup, free_port, resolve_backend
+from asyncsync.protocol.wire import GroupSpec
+from asyncsync.engines.base import DataPlaneProtocol, EngineClient
+
+log = logging.getLogger(__name__)
+
+
+class GroupLayout:
+    """One group per data-plane protocol among the servers, their ranks in config order."""
+
+    def __init__(self, groups: list[tuple[DataPlaneProtocol, GroupSpec]], members: dict[str, tuple[GroupSpec, int]]):
+        self.groups = groups
+        self._members = members
+
+    @classmethod
+    def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
+           device: torch.device) -> GroupLayout:
+        """The groups for ``engines``; ``device`` is where the trainer's weights live, which picks the
+        backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise)."""
+        by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
+        for e in engines:
+            by_protocol.setdefault(e.protocol, []).append(e)
+        backend = resolve_backend(config.backend, device)
+        groups, members = [], {}
+        for i, (protocol, servers) in enumerate(by_protocol.items()):
+            port = config.master_port + i if config.master_port else free_port(config.master_addr)
+            spec = GroupSpec(
+                host=config.master_addr, port=port, world_size=1 + sum(world_sizes[e.url] for e in servers),
+                group_name=config.group_name, backend=backend, timeout_s=config.deadlines.collective_s,
+            )
+            groups.append((protocol, spec))
+            rank = 1
+            for e in servers:
+                members[e.url] = (spec, rank)
+                rank += world_sizes[e.url]
+        return cls(groups, members)
+
+    def membership(self, engine: EngineClient) -> tuple[GroupSpec, int]:
+        """The group ``engine`` joins and the rank of its first worker (``init_group``'s arguments)."""
+        return self._members[engine.url]
+
+    def join(self) -> TrainerGroups:
+        """Join every group as rank 0; each returns once all of its servers' ranks joined."""
+        joined: list[tuple[DataPlaneProtocol, DataPlaneGroup]] = []
+        try:
+            for protocol, spec in self.groups:
+                joined.append((protocol, DataPlaneGroup.join(spec, 0, warmup=protocol.warmup)))
+                log.info("data-plane group for %s receivers: %d ranks on port %d", protocol.name, spec.world_size, spec.port)
+        except BaseException:
+            for _, group in joined:
+                group.close()
+            raise
+        return TrainerGroups(joined)
+
+
+class TrainerGroups:
+    """Rank 0 of every data-plane group: what the trainer broadcasts goes into each of them."""
+
+    def __init__(self, groups: list[tuple[DataPlaneProtocol, DataPlaneGroup]]):
+        self._groups = groups
+        self.device: torch.device = groups[0][1].device
+
+    @property
+    def layout(self) -> list[tuple[str, int]]:
+        """(receiver protocol, world size) of each group, for logs and tests."""
+        return [(protocol.name, group.spec.world_size) for protocol, group in self._groups]
+
+    def broadcast_async(self, tensor: torch.Tensor) -> list[Any]:
+        """Start broadcasting ``tensor`` into every group; pass the result to ``wait``."""
+        return [group.broadcast_async(tensor) for _, group in self._groups]
+
+    def wait(self, works: list[Any]) -> None:
+        for (_, group), work in zip(self._groups, works, strict=True):
+            group.wait(work)
+
+    def broadcast_checksums(self, crcs: list[int | torch.Tensor]) -> None:
+        """The CRC32C manifest of a version (ints, or 0-dim device tensors left by a device pack
+        backend), to the groups whose receivers verify it."""
+        if crcs and isinstance(crcs[0], torch.Tensor):
+            manifest = torch.stack([c.to(torch.int64) for c in crcs])
+        else:
+            manifest = torch.tensor(crcs, dtype=torch.int64).to(self.device)
+        for protocol, group in self._groups:
+            if protocol.checksum_manifest:
+                group.broadcast(manifest)
+
+    def close(self) -> None:
+        for _, group in self._groups:
+            group.close()

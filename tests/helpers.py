@@ -1,0 +1,93 @@
+"""Test helpers: one digest of weights, a reference server on a thread of this process, and the
+trainer's send path driven version by version with the product's own pieces (``Membership``,
+``PackedBuffers``, ``send_version``), for tests that need to reach below ``WeightSync``."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+from aiohttp import web
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.group import free_port
+from asyncsync.protocol.specs import BucketPlan
+from asyncsync.receivers.reference.app import ReferenceServer
+from asyncsync.receivers.reference.receiver import tensor_bytes
+from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.metrics import SyncMetrics, SyncResult
+from asyncsync.transport.control import ControlLoop
+from asyncsync.transport.membership import Membership
+from asyncsync.transport.send import BucketSource, send_version
+
+CPU = torch.device("cpu")
+
+
+def digest(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """SHA-256 of every tensor's bytes, by name: what ``GET /weights/digest`` answers for the same weights."""
+    named = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in named.items()}
+
+
+class ThreadedServer:
+    """A ``ReferenceServer`` served from its own event-loop thread, for options ``ServerProcess`` lacks."""
+
+    def __init__(self, server: ReferenceServer):
+        self.server = server
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(server.app())
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ThreadedServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    async def _start(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+class Trainer:
+    """Rank 0 of the servers' groups, sending one version at a time through ``send_version``."""
+
+    def __init__(self, config: WeightSyncConfig):
+        self.control = ControlLoop()
+        self.metrics = SyncMetrics()
+        self.members = Membership.connect(config, self.control, self.metrics, CPU)
+
+    @property
+    def groups(self) -> list[tuple[str, int]]:
+        """(receiver protocol, world size) of each data-plane group of the current epoch."""
+        assert self.members.group is not None
+        return self.members.group.layout
+
+    def send(self, named: Mapping[str, torch.Tensor], version: int, *, bucket_bytes: int | None = None,
+             single_dtype: bool | None = None, wrap: Callable[[BucketSource], BucketSource] | None = None) -> SyncResult:
+        """Send ``named`` as ``version``; ``wrap`` may tamper with the bytes on their way to the wire."""
+        cfg = self.members.config
+        plan = BucketPlan.from_tensors(named.items(), bucket_bytes or cfg.bucket_bytes,
+                                       self.members.single_dtype_buckets if single_dtype is None else single_dtype)
+        source: BucketSource = PackedBuffers(plan, CPU, TorchPackBackend(), cfg.checksum, slots=2).packing(named)
+        return send_version(self.members, version, plan, wrap(source) if wrap else source)
+
+    def publish(self, named: Mapping[str, torch.Tensor], version: int, **options: object) -> dict[str, int | str]:
+        """Each server's live version after ``version`` was sent, or the reason it failed."""
+        result = self.send(named, version, **options)  # type: ignore[arg-type]
+        return {**result.server_versions, **result.failures}
+
+    def close(self) -> None:
+        self.members.close()
+        self.control.close()

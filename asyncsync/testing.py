@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from asyncsync.models import ModelConfig, build_model
+from asyncsync.receivers.reference.app import Faults
 from asyncsync.receivers.reference.launch import ServerProcess, running
 
-__all__ = ["ServerProcess", "mixed_dtype_model", "running"]
+__all__ = ["Faults", "ServerProcess", "mixed_dtype_model", "running"]
 
 
 def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:

@@ -42,8 +42,8 @@ class NoSync:
     def publish(self, model: Any, version: int) -> None: ...
     def close(self) -> None: ...
 
-    def is_fresh(self, rollout_version: int, trainer_version: int) -> bool:
-        return True
+    def filter_fresh(self, rollouts: Any, version_of: Any, trainer_version: int) -> tuple[list[Any], int]:
+        return list(rollouts), 0
 
     def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool:
         return True

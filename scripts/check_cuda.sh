@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile-checks the CUDA pack kernel (asyncsync/csrc/pack_cuda.cu) for sm_90 with nvcc, then builds
+# Compile-checks the CUDA pack kernel (csrc/pack_cuda.cu) for sm_90 with nvcc, then builds
 # and runs its host emulation self-test (block logic on CPU threads; no GPU needed).
 # Exits non-zero when either fails; skips with a message when nvcc is absent.
 # Usage: scripts/check_cuda.sh   (NVCC=/path/to/nvcc to pick a compiler)

@@ -17,6 +17,7 @@ from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.protocol.group import free_port
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
+from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncMetrics, SyncResult
@@ -31,6 +32,33 @@ def digest(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, s
     """SHA-256 of every tensor's bytes, by name: what ``GET /weights/digest`` answers for the same weights."""
     named = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in named.items()}
+
+
+class Watcher:
+    """Polls every server's (version, digest) while training runs: each sample must be a whole version."""
+
+    def __init__(self, servers: list[ServerProcess]):
+        self.servers = servers
+        self.samples: dict[str, list[tuple[int, dict[str, str]]]] = {s.url: [] for s in servers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for _ in range(2000):  # bounded
+            if self._stop.is_set():
+                return
+            for s in self.servers:
+                got = s.get("/weights/digest")
+                self.samples[s.url].append((got["version"], got["digest"]))
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 class ThreadedServer:

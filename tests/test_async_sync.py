@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.testing import ServerProcess, mixed_dtype_model, running
+from asyncsync.testing import Faults, ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
-from helpers import digest
+from helpers import Watcher, digest
 
 
 
@@ -28,7 +28,7 @@ def train_step(model: torch.nn.Module, g: torch.Generator) -> None:
 @pytest.fixture(scope="module")
 def slow_servers() -> Iterator[list[ServerProcess]]:
     """Two servers that sleep up to 50 ms before each swap-in, so versions pile up and supersede."""
-    with running([ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=0.05) for _ in range(2)]) as servers:
+    with running([ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=0.05)) for _ in range(2)]) as servers:
         yield servers
 
 
@@ -36,33 +36,6 @@ def async_config(servers: list[ServerProcess]) -> WeightSyncConfig:
     return WeightSyncConfig.from_dict(
         {"async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": "16KiB"}
     )
-
-
-class Watcher:
-    """Polls every server's (version, digest) while training runs: each sample must be a whole version."""
-
-    def __init__(self, servers: list[ServerProcess]):
-        self.servers = servers
-        self.samples: dict[str, list[tuple[int, dict[str, str]]]] = {s.url: [] for s in servers}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        for _ in range(2000):  # bounded
-            if self._stop.is_set():
-                return
-            for s in self.servers:
-                got = s.get("/weights/digest")
-                self.samples[s.url].append((got["version"], got["digest"]))
-            self._stop.wait(0.01)
-
-    def __enter__(self) -> Watcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
 
 def run_training(sync: WeightSync, model: torch.nn.Module, steps: int, seed: int, pause_s: float) -> dict[int, dict[str, str]]:

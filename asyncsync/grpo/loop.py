@@ -1,14 +1,9 @@
-"""A compact GRPO loop that embeds ``WeightSync`` exactly as DESIGN.md's loop shows.
+"""A compact GRPO loop around ``WeightSync``: README's usage loop with GRPO's rollouts and loss filled in.
 
-    sync.connect(policy)
-    for step in range(steps):
-        groups = rollouts.sample(prompts, n)          # each group carries the weight version it used
-        groups = fresh groups only (max_staleness)
-        loss = grpo_loss(policy, groups); loss.backward()
-        sync.wait_snapshot()                          # params may change only after the last snapshot
-        optimizer.step(); optimizer.zero_grad()
-        sync.publish(policy, version=step + 1)
-    sync.close()
+Per step: sample a group of completions per prompt from the servers (each group tagged with the
+weight version that generated it), keep the groups within ``max_staleness`` (``filter_fresh``;
+dropped ones are resampled once the servers caught up), compute the clipped GRPO loss, and change
+the parameters only after ``wait_snapshot``; then ``publish`` the new version.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,9 +25,26 @@ from asyncsync.grpo.rollout import Group, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
 from asyncsync.models import build_model
 from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.trainer.metrics import SyncMetrics, SyncResult
 from asyncsync.trainer.sync import WeightSync
 
 log = logging.getLogger(__name__)
+
+
+class TrainerSync(Protocol):
+    """What the loop uses of ``WeightSync`` (benchmarks pass a stand-in that never updates the
+    servers, as the no-sync baseline)."""
+
+    metrics: SyncMetrics
+
+    @property
+    def server_versions(self) -> dict[str, int]: ...
+    def connect(self, model: torch.nn.Module) -> None: ...
+    def wait_snapshot(self) -> None: ...
+    def publish(self, model: torch.nn.Module, version: int) -> SyncResult | None: ...
+    def filter_fresh(self, rollouts: Any, version_of: Any, trainer_version: int) -> tuple[list[Any], int]: ...
+    def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -93,7 +105,8 @@ def servers_for(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
     log.info("stopped the embedded reference servers")
 
 
-def run_grpo(cfg: GRPOConfig, progress: bool = False, make_sync: Callable[[WeightSyncConfig], Any] = WeightSync) -> RunSummary:
+def run_grpo(cfg: GRPOConfig, progress: bool = False,
+             make_sync: Callable[[WeightSyncConfig], TrainerSync] = WeightSync) -> RunSummary:
     """Train ``cfg.policy`` on the addition task with rollouts from the servers; returns the summary.
 
     ``make_sync`` builds the weight sync from the config (benchmarks pass a no-op one for a baseline)."""
@@ -136,7 +149,7 @@ def run_grpo(cfg: GRPOConfig, progress: bool = False, make_sync: Callable[[Weigh
 
 
 def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          sync: Any, rollouts: RolloutClient, rng: random.Random) -> StepRecord:
+          sync: TrainerSync, rollouts: RolloutClient, rng: random.Random) -> StepRecord:
     t0 = time.perf_counter()
     problems = sample_problems(cfg.prompts_per_step, rng)
     groups, dropped = _fresh_groups(cfg, problems, version, sync, rollouts, seed=cfg.seed * 100_003 + step * 1009)
@@ -170,21 +183,24 @@ def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, opt
     )
 
 
-def _fresh_groups(cfg: GRPOConfig, problems: list[Problem], version: int, sync: Any,
+def _fresh_groups(cfg: GRPOConfig, problems: list[Problem], version: int, sync: TrainerSync,
                   rollouts: RolloutClient, seed: int) -> tuple[list[Group | None], int]:
     """Sample every prompt's group; drop groups older than ``max_staleness`` and resample them once
     every server is fresh enough (only async mode can fall that far behind)."""
-    groups: list[Group | None] = list(rollouts.sample([p.prompt for p in problems], cfg.group_size, ANSWER_LEN, cfg.temperature, seed))
-    stale = [i for i, g in enumerate(groups) if g is not None and not sync.is_fresh(g.version, version)]
+    sampled = rollouts.sample([p.prompt for p in problems], cfg.group_size, ANSWER_LEN, cfg.temperature, seed)
+    fresh, dropped = sync.filter_fresh(sampled, lambda g: g.version, trainer_version=version)
+    groups: list[Group | None] = [g if g in fresh else None for g in sampled]
+    stale = [i for i, g in enumerate(groups) if g is None]
     if stale:
         if not sync.wait_for_fresh_servers(version, timeout=cfg.weight_sync.deadlines.http_s):
             raise RuntimeError(f"no server came within max_staleness={cfg.weight_sync.max_staleness} of version {version}")
         again = rollouts.sample([problems[i].prompt for i in stale], cfg.group_size, ANSWER_LEN, cfg.temperature, seed + 1)
+        kept, _ = sync.filter_fresh(again, lambda g: g.version, trainer_version=version)
         for i, g in zip(stale, again):
-            groups[i] = g if sync.is_fresh(g.version, version) else None
+            groups[i] = g if g in kept else None
     if all(g is None for g in groups):
         raise RuntimeError("every rollout group was older than max_staleness")
-    return groups, len(stale)
+    return groups, dropped
 
 
 def _progress(steps: int, mode: str) -> Any:

@@ -53,6 +53,7 @@ class WeightSync:
         self._ring: PackedBuffers | None = None
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
+        self._errors_at_close: list[str] = []
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig | Mapping[str, Any] | str | Path) -> WeightSync:
@@ -174,8 +175,8 @@ class WeightSync:
     def errors(self) -> list[str]:
         """Versions the background worker could not send for a reason on the trainer's side (a layout
         that changed, an exception in a sender), oldest first. Servers' failures are in ``events``;
-        blocking mode raises trainer-side problems from ``publish`` instead."""
-        return self._worker.errors if self._worker else []
+        blocking mode raises trainer-side problems from ``publish`` instead. Kept after ``close``."""
+        return self._worker.errors if self._worker else list(self._errors_at_close)
 
     def prometheus_text(self) -> str:
         return self.metrics.prometheus_text()
@@ -186,6 +187,7 @@ class WeightSync:
         """Drain (async: the last published version reaches every server), then release everything."""
         if self._worker is not None:
             self._worker.close()
+            self._errors_at_close = self._worker.errors
             self._worker = None
         for m in self._members:
             self._versions_at_close.update(m.server_versions)

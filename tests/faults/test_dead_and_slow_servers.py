@@ -8,7 +8,7 @@ import time
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.testing import ServerProcess, mixed_dtype_model
+from asyncsync.testing import Faults, ServerProcess, mixed_dtype_model
 
 from conftest import TINY
 from helpers import digest
@@ -29,7 +29,7 @@ def config(servers: list[ServerProcess], **extra) -> WeightSyncConfig:
 
 
 def test_kill_9_mid_sync_then_restart_rejoins():
-    servers = [ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=0.02) for _ in range(3)]
+    servers = [ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=0.02)) for _ in range(3)]
     restarted: ServerProcess | None = None
     try:
         for s in servers:
@@ -81,7 +81,7 @@ def test_kill_9_mid_sync_then_restart_rejoins():
 
 
 def test_slow_server_never_applies_an_older_version_after_a_newer_one():
-    servers = [ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=d) for d in (0.0, 0.3)]
+    servers = [ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=d)) for d in (0.0, 0.3)]
     try:
         for s in servers:
             s.start()
@@ -120,7 +120,7 @@ def test_slow_server_never_applies_an_older_version_after_a_newer_one():
 
 
 def test_group_per_server_lets_a_slow_server_lag_without_slowing_the_other():
-    fast, slow = (ServerProcess(mixed_dtype_model, (TINY,), apply_delay_s=d) for d in (0.0, 0.6))
+    fast, slow = (ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=d)) for d in (0.0, 0.6))
     try:
         for s in (fast, slow):
             s.start()

@@ -30,6 +30,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,14 +52,29 @@ SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests and benchmarks; everything is off by default.
+
+    ``apply_delay_s``: a random sleep of up to this long before each swap-in (versions pile up and
+    supersede). ``call_delay_s``: each listed route (path, seconds) does its work, then holds its answer
+    this long: a server slow to answer, near or past the trainer's deadlines."""
+
+    apply_delay_s: float = 0.0
+    call_delay_s: tuple[tuple[str, float], ...] = ()
+
+    def delay_for(self, path: str) -> float:
+        return sum(s for p, s in self.call_delay_s if p == path)
+
+
 class ReferenceServer:
     """Holds the model, the receiver and the two worker threads behind the routes."""
 
-    def __init__(self, model: torch.nn.Module, token: str | None = None, apply_delay_s: float = 0.0,
+    def __init__(self, model: torch.nn.Module, token: str | None = None, faults: Faults = Faults(),
                  sglang_sessions: bool = True):
         self.model = model
         self.token = token
-        self.apply_delay_s = apply_delay_s  # fault injection for tests: a random sleep before each swap-in
+        self.faults = faults
         self.serve_lock = threading.Lock()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
@@ -66,7 +82,7 @@ class ReferenceServer:
         self.sglang = SglangApi(self.receiver, functools.partial(self._run, self._comm), sglang_sessions, SGLANG_GROUP_TIMEOUT_S)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._errors, self._auth, self._delay], client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
@@ -89,6 +105,14 @@ class ReferenceServer:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
                 return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
         return await handler(request)
+
+    @web.middleware
+    async def _delay(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        delay = self.faults.delay_for(request.path)
+        if delay:
+            await asyncio.sleep(delay)
+        return response
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -158,8 +182,8 @@ class ReferenceServer:
 
     async def end(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end")
-        if self.apply_delay_s:
-            await asyncio.sleep(random.uniform(0, self.apply_delay_s))
+        if self.faults.apply_delay_s:
+            await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
         version = await self._run(self._comm, self.receiver.commit, req.version)
         return web.json_response({"version": version})
 
@@ -185,7 +209,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, apply_delay_s: float = 0.0) -> None:
+def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults()) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
-    app = ReferenceServer(model, token, apply_delay_s).app()
+    app = ReferenceServer(model, token, faults).app()
     web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

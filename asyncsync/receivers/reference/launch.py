@@ -15,19 +15,20 @@ import torch.multiprocessing as mp
 
 from asyncsync.protocol.group import free_port
 from asyncsync.models import ModelConfig, build_model
+from asyncsync.receivers.reference.app import Faults
 
 ModelFactory = Callable[..., torch.nn.Module]
 
 
 def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None,
-           apply_delay_s: float) -> None:
+           faults: Faults) -> None:
     import logging
 
     from asyncsync.receivers.reference.app import run_server
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    run_server(factory(*factory_args), host, port, token, apply_delay_s)
+    run_server(factory(*factory_args), host, port, token, faults)
 
 
 class ServerProcess:
@@ -39,12 +40,12 @@ class ServerProcess:
 
     def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
                  token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 apply_delay_s: float = 0.0, port: int | None = None):
+                 faults: Faults = Faults(), port: int | None = None):
         self.host, self.port, self.token = host, port or free_port(host), token
         self.url = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
         self.process = mp.get_context("spawn").Process(
-            target=_serve, args=(factory, factory_args, host, self.port, token, apply_delay_s), daemon=True
+            target=_serve, args=(factory, factory_args, host, self.port, token, faults), daemon=True
         )
 
     def start(self) -> ServerProcess:

@@ -52,6 +52,11 @@ class SglangApi:
         self._session_open = False
         self._group_name: str | None = None
 
+    @property
+    def session_open(self) -> bool:
+        """Whether a ``/begin_weight_update`` session is open (operators and tests read it)."""
+        return self._session_open
+
     def routes(self) -> list[web.RouteDef]:
         routes = [
             web.get("/get_server_info", self.server_info), web.get("/get_weight_version", self.weight_version),

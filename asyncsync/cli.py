@@ -75,11 +75,10 @@ def cmd_doctor(_args: argparse.Namespace) -> int:
     import torch
 
     from asyncsync.packing.native import status
-    from asyncsync.protocol.group import resolve_backend
+    from asyncsync.protocol.device import CudaRuntime, HostRuntime
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    print(f"data-plane backend (auto): {resolve_backend('auto', torch.device('cpu'))} for CPU weights, "
-          f"{resolve_backend('auto', torch.device('cuda'))} for CUDA weights")
+    print(f"data-plane backend (auto): {HostRuntime.wire_backend} for CPU weights, {CudaRuntime.wire_backend} for CUDA weights")
     for key, value in status().items():
         print(f"{key}: {value}")
     return 0

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.group import free_port
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
@@ -94,7 +95,7 @@ class Trainer:
     def __init__(self, config: WeightSyncConfig):
         self.control = ControlLoop()
         self.metrics = SyncMetrics()
-        self.members = Membership.connect(config, self.control, self.metrics, CPU)
+        self.members = Membership.connect(config, self.control, self.metrics, HostRuntime())
 
     @property
     def groups(self) -> list[tuple[str, int]]:

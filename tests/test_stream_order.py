@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.trainer import streams as streams_module
+from asyncsync.trainer import sync as sync_module
 from asyncsync.testing import ServerProcess, mixed_dtype_model
 
 from conftest import TINY
@@ -32,7 +32,7 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture
 def late(monkeypatch: pytest.MonkeyPatch) -> Iterator[LateStreams]:
     fake = LateStreams(delay_s=0.05)
-    monkeypatch.setattr(streams_module.StreamSet, "for_device", staticmethod(lambda device: fake))
+    monkeypatch.setattr(sync_module, "StreamSet", lambda runtime: fake)
     yield fake
     fake.close()
 
@@ -74,7 +74,7 @@ def test_late_copies_are_waited_for(server, late):
 
 
 def test_the_harness_sees_a_sender_that_skips_comm_wait(server, late, monkeypatch):
-    monkeypatch.setattr(late, "comm_wait", lambda marker: None)
+    monkeypatch.setattr(late, "comm_wait", lambda marker: None)  # HostRuntime.wait_event is the real wait
     published, served = train(server)
     assert torn(published, served), "broadcasting before the copy finished must send the wrong bytes"
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncsync.packing import PackBackend
-from asyncsync.protocol.checksum import crc32c_of, crc32c_tensor
+from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.specs import byte_view
 
 
@@ -28,4 +28,4 @@ class TorchPackBackend(PackBackend):
                 end = max(end, off + view.numel() * view.element_size())
         if not checksum:
             return None
-        return crc32c_of(out[:end]) if out.device.type == "cpu" else crc32c_tensor(out[:end])
+        return bucket_crc(out[:end])

@@ -37,6 +37,12 @@ def crc32c_of(buf: torch.Tensor) -> int:
     return crc32c.crc32c(memoryview(data.contiguous().numpy()))
 
 
+def bucket_crc(buf: torch.Tensor) -> int | torch.Tensor:
+    """The CRC32C of a received bucket without a host copy: an int for a host buffer, a 0-dim device
+    tensor (read when compared) for a device buffer."""
+    return crc32c_of(buf) if buf.device.type == "cpu" else crc32c_tensor(buf)
+
+
 def crc32c_tensor(buf: torch.Tensor) -> torch.Tensor:
     """CRC32C of a flat uint8 tensor, computed with torch ops on ``buf``'s device; a 0-dim int64 tensor
     on that device. Nothing is copied to the host and nothing waits for the device."""

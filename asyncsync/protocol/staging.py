@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncsync.protocol.checksum import crc32c_of
+from asyncsync.protocol.checksum import bucket_crc
+from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup
 from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest, WireError
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,18 @@ class BucketStager:
         stager.mark_live(staged)                     # only if the live weights now alias the buffers
     """
 
-    def __init__(self, expected: Mapping[str, TensorSpec], join_route: str):
+    def __init__(self, expected: Mapping[str, TensorSpec], join_route: str, runtime: Runtime | None = None,
+                 arena: bool = False):
         self.expected = dict(expected)
         self.join_route = join_route  # named in the error when an update arrives before the group
+        # Buffers are staged on the receiver's weights' device; its runtime also decides the group's
+        # backend (an NCCL group is refused for weights that are not on CUDA).
+        self.runtime = runtime or HostRuntime()
+        # With ``arena``, one flat buffer of a whole version is allocated now, at start-up, and every
+        # version is received into views of it (a receiver that copies a version out, like vLLM's,
+        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run.
+        total = sum(spec.nbytes for spec in self.expected.values())
+        self.arena = torch.empty(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
         self.group: DataPlaneGroup | None = None
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
@@ -76,8 +86,14 @@ class BucketStager:
         self._partial_problems: list[str] = []
 
     def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
+        """Join the trainer's group; ``WireError`` (before any rendezvous) when its backend is not the
+        one this receiver's weights take."""
+        if spec.backend != self.runtime.wire_backend:
+            raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
+                            f"{self.runtime.device}, which take {self.runtime.wire_backend}: use backend: auto on the "
+                            "trainer, or serve the model on the trainer's kind of device")
         self.close()
-        self.group = DataPlaneGroup.join(spec, rank, warmup)
+        self.group = DataPlaneGroup.join(spec, rank, self.runtime, warmup)
 
     def _require_group(self) -> DataPlaneGroup:
         if self.group is None:
@@ -96,16 +112,18 @@ class BucketStager:
         problems = self._check_specs(specs, set()) + self._check_complete(buckets, req.version, served_version)
         target = self._set_for(req.buckets)
         # Every receive is posted at once; gloo runs them in order while earlier buckets are checksummed.
+        # Each wait returns only once its bucket has arrived (the group's waits block the host), so
+        # nothing is verified, and no answer given, before the data is really in the buffers.
         works = [group.broadcast_async(buf) for buf in target.buffers]
         crcs = []
         for buf, work in zip(target.buffers, works):
             group.wait(work)
             if req.checksum:
-                crcs.append(crc32c_of(buf))
+                crcs.append(bucket_crc(buf))  # on a device: computed there, read once at the end
         if req.checksum:
             expected = torch.zeros(len(buckets), dtype=torch.int64, device=group.device)
             group.broadcast(expected)
-            bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if got != want]
+            bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if int(got) != want]
             if bad:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")
         _reject_if(problems, req.version)
@@ -113,6 +131,12 @@ class BucketStager:
 
     def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
         """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped."""
+        if self.arena is not None and sum(m.nbytes for m in layout) <= self.arena.numel():
+            views, offset = [], 0
+            for m in layout:
+                views.append(self.arena[offset : offset + m.nbytes])
+                offset += m.nbytes
+            return _FlatSet(layout, tuple(views))
         self._sets = [s for s in self._sets if s is self._live or s.layout == layout]
         for s in self._sets:
             if s is not self._live:
@@ -169,8 +193,8 @@ class BucketStager:
     # -- shared ---------------------------------------------------------------------------------
 
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
-        group = self._require_group()
-        return torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
+        self._require_group()
+        return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
 
     def _check_specs(self, specs: Iterable[TensorSpec], seen: set[str]) -> list[str]:
         """Problems with ``specs`` given the names ``seen`` earlier in the version (updated in place)."""

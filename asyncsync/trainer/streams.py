@@ -1,98 +1,78 @@
-"""Where the sync's device work runs, and the markers that order it: CUDA streams on GPUs, threads on CPUs.
+"""Which stream each of the sync's threads uses, and the markers that order their work.
 
-The worker is one code path over this interface::
+Threads and streams (on CUDA; on the CPU every stream is the thread itself and every marker is
+complete when it is recorded, so the same code runs synchronously)::
 
-    marker = streams.params_ready()            # trainer, in publish(): the step's writes are issued
-    done = streams.copy(pack_all, after=marker)  # snapshotter: the snapshot copy, ordered after them
-    streams.compute_wait(done)                 # trainer, in wait_snapshot(): later writes wait for it
-    streams.comm_wait(done)                    # sender: broadcasts read the snapshot after the copy
+    trainer thread    its own current stream (the compute stream)  params_ready(), compute_wait()
+    snapshotter       a dedicated copy stream                      copy(fn, after=[...]) -> done
+    each sender       its own dedicated stream, current for life   comm_wait(done), sent()
 
-``copy`` runs ``fn`` so that its device work is ordered after ``after`` and returns the marker of its
-end. On CUDA the copy's kernels are enqueued on a dedicated stream (created once: fresh streams strand
-allocator memory) and every wait is stream-side, so the host never blocks. On the CPU the copy runs
-synchronously on the worker's thread and a marker is a ``threading.Event`` set when it has finished.
-Tests substitute a set whose copies complete late (``tests/fakes``) to prove every wait is in place.
+    publish:       ready = params_ready()                 # after every write of the step
+    snapshot:      done = copy(pack, after=[ready, *sent_of_that_snapshot])
+    wait_snapshot: compute_wait(done)                     # later writes wait for the copy: stream-side
+    send:          comm_wait(done); broadcast...; sent()  # broadcasts read the snapshot after the copy;
+                                                          # the copy into it again waits for sent()
+
+A collective waits on the calling thread's current stream, so a sender's broadcasts, the waits on
+their works and ``sent`` all live on the sender's own stream and never on the trainer's. Streams are
+dedicated (``Runtime.new_stream``), never taken from torch's shared pool, so no sync stream is the
+NCCL stream of another group and a hung server cannot hold up the snapshot copy.
 """
 
 from __future__ import annotations
 
-import threading
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+from asyncsync.protocol.device import Runtime
 
 Marker = Any
 
 
-class StreamSet(ABC):
-    @staticmethod
-    def for_device(device: torch.device) -> StreamSet:
-        return CudaStreams(device) if device.type == "cuda" else HostStreams()
+class StreamSet:
+    """The sync's streams on one device, over its ``Runtime``."""
 
-    @abstractmethod
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.copy_stream: Any = None
+
+    # -- per-thread set-up: the first thing each of the sync's threads does ---------------------
+
+    def enter_copy_thread(self) -> None:
+        """The snapshotter's start: its device, and a dedicated copy stream."""
+        self.runtime.enter_thread()
+        self.copy_stream = self.runtime.new_stream()
+
+    def enter_sender_thread(self) -> None:
+        """A sender's start: its device, and a dedicated stream made current for the thread's life,
+        so every collective it issues, and every wait on one, is ordered on it."""
+        self.runtime.enter_thread()
+        self.runtime.set_stream(self.runtime.new_stream())
+
+    # -- markers --------------------------------------------------------------------------------
+
     def params_ready(self) -> Marker:
-        """Called by the trainer thread: marks the point after every write of the step just issued."""
+        """Trainer thread, in publish(): marks the point after every write of the step just issued."""
+        return self.runtime.record()
 
-    @abstractmethod
-    def copy(self, fn: Callable[[], None], after: Marker) -> Marker:
-        """Run ``fn``'s copies ordered after ``after``; returns the marker of their end."""
-
-    @abstractmethod
-    def compute_wait(self, marker: Marker) -> None:
-        """Called by the trainer thread: work it issues from now on runs after ``marker``."""
-
-    @abstractmethod
-    def comm_wait(self, marker: Marker) -> None:
-        """Called by a sender thread: broadcasts it issues from now on read data ready at ``marker``."""
-
-
-class HostStreams(StreamSet):
-    """CPU: work is ordered by the threads themselves; markers are events set when work is done."""
-
-    def params_ready(self) -> threading.Event:
-        ready = threading.Event()
-        ready.set()  # CPU writes issued by the trainer's thread are complete when publish() runs
-        return ready
-
-    def copy(self, fn: Callable[[], None], after: threading.Event) -> threading.Event:
-        after.wait()
-        fn()
-        done = threading.Event()
-        done.set()
-        return done
-
-    def compute_wait(self, marker: threading.Event) -> None:
-        marker.wait()
-
-    def comm_wait(self, marker: threading.Event) -> None:
-        marker.wait()
-
-
-class CudaStreams(StreamSet):  # unexercised on this project's CPU-only machines
-    """CUDA: a dedicated copy stream; markers are CUDA events; waits are stream-side."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.copy_stream = torch.cuda.Stream(device=device)
-
-    def params_ready(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def copy(self, fn: Callable[[], None], after: torch.cuda.Event) -> torch.cuda.Event:
-        self.copy_stream.wait_event(after)
-        with torch.cuda.stream(self.copy_stream):
+    def copy(self, fn: Callable[[], None], after: Sequence[Marker]) -> Marker:
+        """Snapshotter: run ``fn``'s copies on the copy stream, ordered after every marker in ``after``;
+        returns the marker of their end. Enqueues only: the host does not wait for the copies."""
+        for marker in after:
+            self.runtime.wait_event(marker, self.copy_stream)
+        with self.runtime.use_stream(self.copy_stream):
             fn()
-        done = torch.cuda.Event()
-        done.record(self.copy_stream)
-        return done
+        return self.runtime.record(self.copy_stream)
 
-    def compute_wait(self, marker: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(marker)
+    def compute_wait(self, marker: Marker) -> None:
+        """Trainer thread: work it issues from now on runs after ``marker`` (no host wait on CUDA)."""
+        self.runtime.wait_event(marker)
 
-    def comm_wait(self, marker: torch.cuda.Event) -> None:
-        # NCCL collectives are ordered after the calling thread's current stream.
-        torch.cuda.current_stream(self.device).wait_event(marker)
+    def comm_wait(self, marker: Marker) -> None:
+        """Sender thread: broadcasts it issues from now on read data ready at ``marker``."""
+        self.runtime.wait_event(marker)
+
+    def sent(self) -> Marker:
+        """Sender thread, after its last wait on a version's broadcasts: the point after which the
+        snapshot they read may be rewritten."""
+        return self.runtime.record()

@@ -19,7 +19,8 @@ from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
-from asyncsync.trainer.source import Weights, named_tensors, weights_device
+from asyncsync.protocol.device import Runtime, runtime_for
+from asyncsync.trainer.source import Weights, WeightsReader, weights_device
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.control import ControlLoop
@@ -51,6 +52,8 @@ class WeightSync:
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
         self._ring: PackedBuffers | None = None
+        self._reader = WeightsReader()
+        self.runtime: Runtime | None = None
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
         self._errors_at_close: list[str] = []
@@ -82,14 +85,15 @@ class WeightSync:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), plan the
         buckets and allocate the buffers; in async mode start the worker. On failure nothing is left open."""
         cfg = self.config
-        named = named_tensors(model)
-        device = weights_device(named)
+        named = self._reader.read(model).tensors()
+        self.runtime = runtime = runtime_for(weights_device(named))
+        device = runtime.device
         try:
             self._packer = get_backend(cfg.pack_backend, device)  # before any group: a bad backend fails first
             self._control = ControlLoop()
             groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
             for group_cfg in groups:
-                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, device))
+                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime))
             single_dtype = any(m.single_dtype_buckets for m in self._members)
             self.plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
 
@@ -98,7 +102,7 @@ class WeightSync:
                 return PackedBuffers(self.plan, device, self._packer, cfg.checksum, slots)
 
             if self.is_async:
-                self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet.for_device(device), self.metrics)
+                self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet(runtime), self.metrics)
             else:
                 self._ring = buffers(slots=2)
         except BaseException:
@@ -125,12 +129,12 @@ class WeightSync:
         if not self._members:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
         if self._worker is not None:
-            self._worker.publish(model, version)
+            self._worker.publish(self._reader.read(model), version)  # the view is read here, on the trainer's thread
             return None
         if version <= self._last_version:
             raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
         assert self._ring is not None and self.plan is not None
-        source = self._ring.packing(named_tensors(model))  # raises LayoutChanged before anything is sent
+        source = self._ring.packing(self._reader.read(model).tensors())  # raises LayoutChanged before anything is sent
         self._last_version = version
         self.metrics.count("published")
         result = send_version(self._members[0], version, self.plan, source)  # blocking mode has one membership
@@ -197,6 +201,7 @@ class WeightSync:
             self._control.close()
             self._control = None
         self._ring = None
+        self._reader.close()
 
     def __enter__(self) -> WeightSync:
         return self

@@ -3,12 +3,9 @@
 Lifecycle, as the trainer's loop drives it::
 
     worker = SyncWorker(memberships, plan, new_snapshot_buffers, streams, metrics)
-    for step in range(steps):
-        ...                                   # forward / backward: parameters are only read
-        worker.wait_snapshot()                # held only until the last published version is copied
-        optimizer.step()
-        worker.publish(model, version)        # O(1): a marker, a latest-wins slot, a wake-up
-    worker.close()                            # drain: the last version reaches every server
+    worker.wait_snapshot()          # before the parameters change: the last published version is copied
+    worker.publish(view, version)   # O(1): a marker, a latest-wins slot, a wake-up (view: WeightsReader.read)
+    worker.close()                  # drain: the last version reaches every server
 
 Threads, one job each:
   * the snapshotter takes the latest published version and packs it (checksum fused) into a
@@ -19,7 +16,8 @@ So the snapshot of version v is taken while v-1 is still on the wire, and the tr
 for the wire. With a sender per server, a slow server only makes *its* versions supersede. A version
 overtaken before it is snapshotted, or before any sender took it, is superseded: counted, never sent.
 There are (senders + 2) snapshots, so one is always free: one per sender in flight, the newest
-offered one, and the one being written.
+offered one, and the one being written. On a device, a snapshot is rewritten only after the
+``sent`` markers of the senders that read it (trainer/streams.py has the streams and markers).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from typing import Any
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncMetrics, SyncResult
-from asyncsync.trainer.source import Weights, check_layout, named_tensors
+from asyncsync.trainer.source import WeightsView, check_layout
 from asyncsync.trainer.streams import Marker, StreamSet
 from asyncsync.transport.membership import Membership, lowest_member_version
 from asyncsync.transport.send import send_version
@@ -49,6 +47,7 @@ class Snapshot:
     buffers: PackedBuffers
     version: int = 0
     done: Marker = None  # the stream marker recorded after the copy
+    sent: list[Marker] = field(default_factory=list)  # senders' markers after their broadcasts read it
     started: float = 0.0
     snapshot_s: float = 0.0
     taken: int = 0    # senders that took this version
@@ -57,7 +56,7 @@ class Snapshot:
 @dataclass
 class _Published:
     version: int
-    weights: Weights  # the model (or mapping): tensors are looked up when the snapshot is taken
+    view: WeightsView  # the tensors, as read on the trainer's thread at publish()
     ready: Marker     # the stream marker recorded by publish()
 
 
@@ -85,8 +84,9 @@ class SyncWorker:
         self._sets = [Snapshot(new_buffers()) for _ in range(len(memberships) + 2)]
         self._cond = threading.Condition()
         self._s = _State(ready=[None] * len(memberships), sending=[None] * len(memberships))
-        self._threads = [threading.Thread(target=self._snapshot_loop, name="asyncsync-snapshot", daemon=True)] + [
-            threading.Thread(target=self._send_loop, args=(i,), name=f"asyncsync-send-{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._guarded, args=(self._snapshot_loop,), name="asyncsync-snapshot",
+                                          daemon=True)] + [
+            threading.Thread(target=self._guarded, args=(self._send_loop, i), name=f"asyncsync-send-{i}", daemon=True)
             for i in range(len(memberships))
         ]
         for t in self._threads:
@@ -99,8 +99,8 @@ class SyncWorker:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    def publish(self, weights: Weights, version: int) -> None:
-        """O(1): never waits for a server, the network or the previous sync."""
+    def publish(self, view: WeightsView, version: int) -> None:
+        """O(1) beyond reading the view: never waits for a server, the network or the previous sync."""
         marker = self.streams.params_ready()
         with self._cond:
             if version <= self._s.last_published:
@@ -108,7 +108,7 @@ class SyncWorker:
             if self._s.closing:
                 raise RuntimeError("publish() after close()")
             overtaken = self._s.published
-            self._s.published = _Published(version, weights, marker)
+            self._s.published = _Published(version, view, marker)
             self._s.last_published = version
             self._cond.notify_all()
         self.metrics.count("published")
@@ -152,9 +152,21 @@ class SyncWorker:
     def _snapshotter_dead(self) -> bool:
         return not self._threads[0].is_alive()
 
+    def _guarded(self, loop: Callable[..., None], *args: object) -> None:
+        """Run a thread's loop; if it dies (a device error setting up its stream, say), say so in
+        ``errors`` and wake everyone: publish, wait_snapshot and close never wait for a dead thread."""
+        try:
+            loop(*args)
+        except BaseException as e:
+            log.exception("%s stopped", threading.current_thread().name)
+            with self._cond:
+                self._s.errors.append(f"{threading.current_thread().name} stopped: {type(e).__name__}: {e}")
+                self._cond.notify_all()
+
     # -- snapshotter thread ---------------------------------------------------------------------
 
     def _snapshot_loop(self) -> None:
+        self.streams.enter_copy_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._s.published is not None or self._s.closing)
@@ -186,17 +198,20 @@ class SyncWorker:
                 self._cond.notify_all()
 
     def _take(self, item: _Published, target: Snapshot) -> None:
+        """Enqueue the copy of ``item`` into ``target``; on a device it is "taken" once queued."""
         t0 = time.perf_counter()
-        named = named_tensors(item.weights)
+        named = item.view.tensors()
         check_layout(self.plan, named)
-        target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=item.ready)
-        target.version, target.taken = item.version, 0
+        after = [item.ready, *target.sent]  # the step's writes, and the broadcasts that read target last
+        target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=after)
+        target.version, target.taken, target.sent = item.version, 0, []
         target.started = t0
         target.snapshot_s = time.perf_counter() - t0
 
     # -- sender threads -------------------------------------------------------------------------
 
     def _send_loop(self, i: int) -> None:
+        self.streams.enter_sender_thread()
         members = self.memberships[i]
         while True:
             with self._cond:
@@ -222,6 +237,8 @@ class SyncWorker:
                 self.metrics.count("failed")
                 with self._cond:
                     self._s.errors.append(f"version {snap.version}: {e}")
+            sent = self.streams.sent()  # also after a failure: broadcasts may have been enqueued
             with self._cond:
+                snap.sent.append(sent)
                 self._s.sending[i] = None
                 self._cond.notify_all()

@@ -2,7 +2,7 @@
 
 Lifecycle (``transport.send.send_version`` is what moves a version through it)::
 
-    members = Membership.connect(config, control, metrics, device)   # epoch 1; unreachable servers start evicted
+    members = Membership.connect(config, control, metrics, runtime)  # epoch 1; unreachable servers start evicted
     for version in versions:
         result = send_version(members, version, plan, source)        # readmits, evicts and rebuilds as needed
     members.close()
@@ -21,11 +21,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import torch
-
 from asyncsync.config import WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient
+from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.trainer.metrics import SyncMetrics
 from asyncsync.transport.control import ControlLoop, ServerError
@@ -41,8 +40,8 @@ class SyncError(RuntimeError):
 class Membership:
     """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
 
-    def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, device: torch.device):
-        self.config, self.control, self.metrics, self.device = config, control, metrics, device
+    def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime):
+        self.config, self.control, self.metrics, self.runtime = config, control, metrics, runtime
         self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s) for s in config.servers]
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
         self.members: list[EngineClient] = []
@@ -52,10 +51,10 @@ class Membership:
         self._next_probe = 0.0
 
     @classmethod
-    def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, device: torch.device) -> Membership:
+    def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime) -> Membership:
         """Form the first groups; servers that do not answer start evicted. Raises ``SyncError`` only
         when no server at all could join (and then leaves nothing open)."""
-        members = cls(config, control, metrics, device)
+        members = cls(config, control, metrics, runtime)
         try:
             members.form(members.engines)
             if not members.members:
@@ -91,7 +90,7 @@ class Membership:
             self.epoch += 1
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.epoch}", master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.device)
+            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime)
             joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
             try:
                 group: TrainerGroups | None = layout.join()  # returns once every server's ranks joined
@@ -106,7 +105,7 @@ class Membership:
                          [spec.world_size for _, spec in layout.groups], len(alive))
                 break
             if group is not None:
-                group.close()
+                group.close(broken=True)
             if len(still) == len(alive):  # everyone answered yet the group did not form: give up this round
                 for e in alive:
                     self.evict(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
@@ -125,10 +124,10 @@ class Membership:
         gone = set(lost)
         self.form([e for e in self.members if e.url not in gone])
 
-    def drop_group(self) -> None:
-        """Abandon the current epoch's groups (a receiver still waiting in one fails, see DataPlaneGroup.close)."""
+    def drop_group(self, broken: bool = False) -> None:
+        """Abandon the current epoch's groups; ``broken`` after a failed collective (they are aborted)."""
         if self.group is not None:
-            self.group.close()
+            self.group.close(broken)
             self.group = None
 
     def evict(self, url: str, reason: str) -> None:

@@ -96,7 +96,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     posted = members.control.submit(gather(engines, begin_and_update))
     broken = _broadcast(members, plan, source, result)
     if broken is not None:
-        members.drop_group()
+        members.drop_group(broken=True)
     result.wire_s = time.perf_counter() - start - result.pack_s
     t0 = time.perf_counter()
     updated = _collect(posted, engines, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))

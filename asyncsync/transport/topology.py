@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneGroup, free_port, resolve_backend
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import DataPlaneProtocol, EngineClient
@@ -34,19 +35,21 @@ log = logging.getLogger(__name__)
 class GroupLayout:
     """One group per data-plane protocol among the servers, their ranks in config order."""
 
-    def __init__(self, groups: list[tuple[DataPlaneProtocol, GroupSpec]], members: dict[str, tuple[GroupSpec, int]]):
+    def __init__(self, groups: list[tuple[DataPlaneProtocol, GroupSpec]], members: dict[str, tuple[GroupSpec, int]],
+                 runtime: Runtime):
         self.groups = groups
         self._members = members
+        self.runtime = runtime
 
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
-           device: torch.device) -> GroupLayout:
-        """The groups for ``engines``; ``device`` is where the trainer's weights live, which picks the
+           runtime: Runtime) -> GroupLayout:
+        """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
         backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise)."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
-        backend = resolve_backend(config.backend, device)
+        backend = resolve_backend(config.backend, runtime)
         groups, members = [], {}
         for i, (protocol, servers) in enumerate(by_protocol.items()):
             port = config.master_port + i if config.master_port else free_port(config.master_addr)
@@ -59,7 +62,7 @@ class GroupLayout:
             for e in servers:
                 members[e.url] = (spec, rank)
                 rank += world_sizes[e.url]
-        return cls(groups, members)
+        return cls(groups, members, runtime)
 
     def membership(self, engine: EngineClient) -> tuple[GroupSpec, int]:
         """The group ``engine`` joins and the rank of its first worker (``init_group``'s arguments)."""
@@ -70,21 +73,29 @@ class GroupLayout:
         joined: list[tuple[DataPlaneProtocol, DataPlaneGroup]] = []
         try:
             for protocol, spec in self.groups:
-                joined.append((protocol, DataPlaneGroup.join(spec, 0, warmup=protocol.warmup)))
+                joined.append((protocol, DataPlaneGroup.join(spec, 0, self.runtime, warmup=protocol.warmup)))
                 log.info("data-plane group for %s receivers: %d ranks on port %d", protocol.name, spec.world_size, spec.port)
         except BaseException:
             for _, group in joined:
                 group.close()
             raise
-        return TrainerGroups(joined)
+        return TrainerGroups(joined, self.runtime)
 
 
 class TrainerGroups:
-    """Rank 0 of every data-plane group: what the trainer broadcasts goes into each of them."""
+    """Rank 0 of every data-plane group: what the trainer broadcasts goes into each of them.
 
-    def __init__(self, groups: list[tuple[DataPlaneProtocol, DataPlaneGroup]]):
+    A group whose receivers take no part in a warm-up (SGLang's) gets its NCCL communicator created
+    by its first broadcast. That creation may synchronise the device, so it is never issued while
+    another of the sync's collectives is in flight: before a cold group's first broadcast every
+    pending one is waited for (the ordering rule docs/design.md "GPU semantics" gives)."""
+
+    def __init__(self, groups: list[tuple[DataPlaneProtocol, DataPlaneGroup]], runtime: Runtime):
         self._groups = groups
-        self.device: torch.device = groups[0][1].device
+        self.runtime = runtime
+        self.device: torch.device = runtime.device
+        self._cold = {id(g) for p, g in groups if not p.warmup}
+        self._pending: list[list[Any]] = []
 
     @property
     def layout(self) -> list[tuple[str, int]]:
@@ -93,23 +104,35 @@ class TrainerGroups:
 
     def broadcast_async(self, tensor: torch.Tensor) -> list[Any]:
         """Start broadcasting ``tensor`` into every group; pass the result to ``wait``."""
-        return [group.broadcast_async(tensor) for _, group in self._groups]
+        works: list[Any] = []
+        for _, group in self._groups:
+            if id(group) in self._cold:
+                if self.runtime.kind == "cuda":
+                    for pending in [*self._pending, works]:
+                        self.wait(pending)
+                self._cold.discard(id(group))
+            works.append(group.broadcast_async(tensor))
+        self._pending.append(works)
+        return works
 
     def wait(self, works: list[Any]) -> None:
-        for (_, group), work in zip(self._groups, works, strict=True):
+        """Until every group's broadcast of one tensor is done; ``DataPlaneError`` at a group's deadline."""
+        for (_, group), work in zip(self._groups, works):
             group.wait(work)
+        self._pending = [p for p in self._pending if p is not works]
 
     def broadcast_checksums(self, crcs: list[int | torch.Tensor]) -> None:
         """The CRC32C manifest of a version (ints, or 0-dim device tensors left by a device pack
-        backend), to the groups whose receivers verify it."""
+        backend, which stay on the device), to the groups whose receivers verify it."""
         if crcs and isinstance(crcs[0], torch.Tensor):
             manifest = torch.stack([c.to(torch.int64) for c in crcs])
         else:
-            manifest = torch.tensor(crcs, dtype=torch.int64).to(self.device)
+            manifest = self.runtime.upload(torch.tensor(crcs, dtype=torch.int64))
         for protocol, group in self._groups:
             if protocol.checksum_manifest:
                 group.broadcast(manifest)
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        self._pending = []
         for _, group in self._groups:
-            group.close()
+            group.close(broken)

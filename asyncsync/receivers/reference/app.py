@@ -77,7 +77,8 @@ class ReferenceServer:
         self.faults = faults
         self.serve_lock = threading.Lock()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv")
+        # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA).
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=self.receiver.runtime.enter_thread)
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
         self.sglang = SglangApi(self.receiver, functools.partial(self._run, self._comm), sglang_sessions, SGLANG_GROUP_TIMEOUT_S)
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
@@ -33,10 +34,11 @@ class WeightReceiver:
 
     def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0):
         self._live = dict(weights)
+        self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
         self.version = version
         self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
-        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group")
+        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime)
         self._staged: StagedVersion | None = None
 
     def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:

@@ -27,6 +27,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.staging import BucketStager, StagedVersion
 from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest
@@ -42,8 +43,12 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.stager = BucketStager(checkpoint_specs(vllm_config), "/init_weight_transfer_engine")
+        # The staging arena (one version, on the worker's device) is allocated here, when vLLM creates
+        # the engine, not at the first update: see docs/engines/vllm.md for sizing the KV cache around it.
+        self.stager = BucketStager(checkpoint_specs(vllm_config), "/init_weight_transfer_engine",
+                                   runtime_for(torch.device(device)), arena=True)
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
+        log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
         return InitGroupRequest.from_json(init_dict)

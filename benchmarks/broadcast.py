@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.config import parse_bytes
+from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
@@ -41,7 +42,7 @@ QWEN2_05B_HALF = ModelConfig(
 def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
     """A plain receiver: per round, one flat broadcast then one broadcast per tensor."""
     torch.set_num_threads(1)
-    group = DataPlaneGroup.join(spec, rank)
+    group = DataPlaneGroup.join(spec, rank, HostRuntime())
     flat = torch.empty(sum(torch.empty(s, dtype=d).nbytes for d, s in shapes), dtype=torch.uint8)
     tensors = [torch.empty(s, dtype=d) for d, s in shapes]
     for _ in range(rounds):
@@ -65,7 +66,7 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: 
     try:
         for p in raw:
             p.start()
-        group = DataPlaneGroup.join(spec, 0)
+        group = DataPlaneGroup.join(spec, 0, HostRuntime())
         with running(servers):
             cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
             with WeightSync(cfg) as sync:

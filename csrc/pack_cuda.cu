@@ -10,8 +10,9 @@
 //   const char* asyncsync_cuda_error_string(int code);
 //
 // Design. The destination range [0, total_bytes) is cut into 4 KiB tiles (256 threads x 16 bytes)
-// and each block walks a contiguous run of tiles. Per tile, thread 0 binary-searches the device
-// table of ranges (sorted by offset) for the first one that reaches the tile; the block then copies
+// and each block walks a contiguous run of tiles. Thread 0 binary-searches the device table of
+// ranges (sorted by offset) once per block for the first one that reaches its first tile, then
+// advances linearly tile by tile; the block then copies
 // every range's part inside the tile, with 16-byte vector loads/stores when source and destination
 // are equally aligned mod 16 and byte copies otherwise. With a checksum, each thread CRCs its 16
 // bytes of the finished tile, a shared-memory tree combines them (GF(2) shift), the block folds its
@@ -58,6 +59,33 @@ __host__ __device__ inline const Tables& tables() {
 // Raw CRC registers (no pre/post inversion): crc(A||B) = shift(crc(A), |B|) ^ crc(B).
 __host__ __device__ inline uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
   return asyncsync_crc::combine(tables(), crc_a, crc_b, static_cast<uint64_t>(len_b));
+}
+
+// The shift operators of the tree reduction's levels: at level k the right-hand side covers
+// kVec * 2^k bytes in a full tile, so its operator x^(8 * kVec * 2^k) is a constant; only a tile cut
+// short by the end of the bucket needs the general combine.
+struct LevelOps {
+  uint32_t op[8];  // kThreads = 2^8
+};
+
+constexpr LevelOps make_level_ops() {
+  LevelOps ops{};
+  const asyncsync_crc::Tables t = asyncsync_crc::make_tables();
+  for (int k = 0; k < 8; ++k) ops.op[k] = asyncsync_crc::x2nmodp(t, static_cast<uint64_t>(16) << k, 3);
+  return ops;
+}
+
+__constant__ LevelOps c_level_ops = make_level_ops();
+#ifndef __CUDA_ARCH__
+constexpr LevelOps kHostLevelOps = make_level_ops();
+#endif
+
+__host__ __device__ inline uint32_t level_op(int level) {
+#ifdef __CUDA_ARCH__
+  return c_level_ops.op[level];
+#else
+  return kHostLevelOps.op[level];
+#endif
 }
 
 using asyncsync_crc::crc_byte;
@@ -135,10 +163,13 @@ struct BlockShared {
 template <class Block>
 __host__ __device__ void reduce_crcs(const Block& blk, BlockShared& sh) {
   const int tid = blk.tid();
-  for (int s = 1; s < kThreads; s <<= 1) {
+  int level = 0;
+  for (int s = 1; s < kThreads; s <<= 1, ++level) {
     if ((tid & (2 * s - 1)) == 0) {
-      sh.crc[tid] = crc_combine(sh.crc[tid], sh.crc[tid + s], sh.len[tid + s]);
-      sh.len[tid] += sh.len[tid + s];
+      const int64_t len = sh.len[tid + s];
+      sh.crc[tid] = len == kVec * s ? asyncsync_crc::multmodp(level_op(level), sh.crc[tid]) ^ sh.crc[tid + s]
+                                    : crc_combine(sh.crc[tid], sh.crc[tid + s], len);
+      sh.len[tid] += len;
     }
     blk.sync();
   }
@@ -163,7 +194,14 @@ __host__ __device__ void pack_block(const Block& blk, BlockShared& sh, const Par
   uint32_t block_crc = 0;  // thread 0's running CRC of this block's tiles
   for (int64_t tile = t0; tile < t1; ++tile) {
     const int64_t lo = tile * kTile, hi = imin(p.total, lo + kTile);
-    if (tid == 0) sh.first = first_ending_after(p.segs, lo);
+    // The block's tiles are contiguous: one search for its first tile, then a linear advance.
+    if (tid == 0) {
+      if (tile == t0) {
+        sh.first = first_ending_after(p.segs, lo);
+      } else {
+        while (sh.first < p.segs.count && p.segs.offsets[sh.first] + p.segs.sizes[sh.first] <= lo) ++sh.first;
+      }
+    }
     blk.sync();
     for (int64_t i = sh.first; i < p.segs.count && p.segs.offsets[i] < hi; ++i) {
       const int64_t off = p.segs.offsets[i];
@@ -180,7 +218,7 @@ __host__ __device__ void pack_block(const Block& blk, BlockShared& sh, const Par
       reduce_crcs(blk, sh);
       if (tid == 0) block_crc = crc_combine(block_crc, sh.crc[0], hi - lo);
     }
-    blk.sync();  // sh.first and sh.crc are reused by the next tile
+    blk.sync();  // sh.crc is reused by the next tile, which advances sh.first
   }
   if (!checksum) return;
 

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 
+from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.wire import GroupSpec
 
@@ -40,7 +41,7 @@ def test_a_group_built_like_sglang_joins_and_receives_a_bucket():
         child.start()
         group = None
         try:
-            group = DataPlaneGroup.join(spec, 0, warmup=False)
+            group = DataPlaneGroup.join(spec, 0, HostRuntime(), warmup=False)
             bucket = torch.arange(SIZE, dtype=torch.uint8)
             group.broadcast(bucket)
             assert out.get(timeout=30) == bucket.tolist()

@@ -95,6 +95,8 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> PackB
         if backend.device_type not in ("any", dev):
             raise PackBackendUnavailable(f"pack backend {name!r} packs {backend.device_type} buffers, but the weights are "
                                          f"on {dev}; use pack_backend: auto or torch")
+        if name in _PREFERRED.values():  # a compiled backend named explicitly is checked too, and refused if wrong
+            check_against_torch(backend, torch.device(device))
         return backend
     preferred = _PREFERRED.get(dev)
     if preferred is not None:

@@ -73,17 +73,26 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Seconds each kind of wait may take before the server involved is considered failed."""
+    """Seconds each kind of wait may take before the server involved is considered failed.
+
+    ``collective_s`` is the ceiling of one broadcast. Once a version has been sent, each broadcast's
+    own deadline follows the measured rate: ``broadcast_factor`` times its expected time, at least
+    ``broadcast_floor_s`` (``transport.pace``), so a dead server costs seconds, not ``collective_s``."""
 
     rendezvous_s: float = 60.0
     collective_s: float = 120.0
     http_s: float = 120.0
+    broadcast_floor_s: float = 2.0
+    broadcast_factor: float = 8.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{f.name}: must be a positive number of seconds, got {v!r}")
+                raise ConfigError(f"{f.name}: must be a positive number, got {v!r}")
+        if self.broadcast_factor < 1:
+            raise ConfigError(f"broadcast_factor: a deadline below the expected time fails healthy broadcasts; "
+                              f"use a factor >= 1, got {self.broadcast_factor}")
 
 
 @dataclass(frozen=True)

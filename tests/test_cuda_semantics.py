@@ -330,7 +330,7 @@ def test_a_cold_group_is_first_used_with_nothing_else_in_flight():
         def __init__(self, name: str):
             self.name = name
 
-        def broadcast_async(self, tensor: torch.Tensor) -> str:
+        def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> str:
             events.append(f"start {self.name}")
             return self.name
 

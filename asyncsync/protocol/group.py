@@ -53,6 +53,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class Work:
+    """A collective in flight and its deadline."""
+
+    __slots__ = ("handle", "timeout")
+
+    def __init__(self, handle: Any, timeout: timedelta):
+        self.handle, self.timeout = handle, timeout
+
+
 class DataPlaneGroup:
     """One member's handle on a group: broadcast from rank 0, with the deadline given at creation.
 
@@ -103,34 +112,38 @@ class DataPlaneGroup:
         log.info("rank %d joined data-plane group %s (%s, world %d)", rank, spec.group_name, spec.backend, spec.world_size)
         return group
 
-    def broadcast_async(self, tensor: torch.Tensor) -> Any:
-        """Start a broadcast from rank 0 into ``tensor`` on every rank; returns the torch Work handle.
+    def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> Work:
+        """Start a broadcast from rank 0 into ``tensor`` on every rank; pass the result to ``wait``.
         It is ordered after the calling thread's current stream (NCCL) and enqueued under the
-        process-wide lock."""
+        process-wide lock. ``timeout_s`` is this broadcast's deadline (default: the group's); gloo
+        applies it to the operation itself, so a rank 0 whose send misses it closes its connections
+        and releases the other ranks."""
         if self._pg is None:
             raise DataPlaneError(f"rank {self.rank}: group '{self.spec.group_name}' is closed")
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else self.timeout
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        opts.timeout = timeout
         with ENQUEUE_LOCK:
-            return self._pg.broadcast([tensor], opts)
+            return Work(self._pg.broadcast([tensor], opts), timeout)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        self.wait(self.broadcast_async(tensor))
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        self.wait(self.broadcast_async(tensor, timeout_s))
 
-    def wait(self, work: Any) -> None:
-        """Until ``work`` is done (host and current stream), or ``DataPlaneError`` at the group's deadline."""
+    def wait(self, work: Work) -> None:
+        """Until ``work`` is done (host and current stream), or ``DataPlaneError`` at its deadline."""
         try:
-            self.runtime.wait_work(work, self.timeout)
+            self.runtime.wait_work(work.handle, work.timeout)
         except Exception as e:
             raise DataPlaneError(
                 f"rank {self.rank}: broadcast in group '{self.spec.group_name}' failed or exceeded "
-                f"{self.spec.timeout_s}s: {e}"
+                f"{work.timeout.total_seconds():.1f}s: {e}"
             ) from None
 
     def barrier(self) -> None:
         """Wait until every rank got here: benchmarks use it to time delivery, not just sending."""
-        self.wait(self._pg.barrier())
+        self.wait(Work(self._pg.barrier(), self.timeout))
 
     def close(self, broken: bool = False) -> None:
         """Release the group. After a failure (``broken``) it is aborted, which kills in-flight

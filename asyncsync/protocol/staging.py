@@ -114,7 +114,7 @@ class BucketStager:
         # Every receive is posted at once; gloo runs them in order while earlier buckets are checksummed.
         # Each wait returns only once its bucket has arrived (the group's waits block the host), so
         # nothing is verified, and no answer given, before the data is really in the buffers.
-        works = [group.broadcast_async(buf) for buf in target.buffers]
+        works = [group.broadcast_async(buf, req.deadline_s(i)) for i, buf in enumerate(target.buffers)]
         crcs = []
         for buf, work in zip(target.buffers, works):
             group.wait(work)
@@ -122,7 +122,7 @@ class BucketStager:
                 crcs.append(bucket_crc(buf))  # on a device: computed there, read once at the end
         if req.checksum:
             expected = torch.zeros(len(buckets), dtype=torch.int64, device=group.device)
-            group.broadcast(expected)
+            group.broadcast(expected, req.deadline_s(len(buckets)))
             bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if int(got) != want]
             if bad:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")

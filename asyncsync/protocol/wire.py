@@ -126,14 +126,34 @@ class BucketMeta:
 @dataclass(frozen=True)
 class UpdateRequest:
     """A whole version: every bucket's metadata, in broadcast order. With ``checksum`` the trainer
-    broadcasts one more int64 tensor after the last bucket: the CRC32C of every bucket."""
+    broadcasts one more int64 tensor after the last bucket: the CRC32C of every bucket.
+
+    ``deadlines_s`` (optional, one per bucket) is how long each bucket's broadcast may take: the
+    trainer derives it from the measured rate (``transport.pace``), and a receiver that waits longer
+    for a bucket gives up then instead of at the group's own timeout (the manifest gets the largest)."""
 
     version: int
     buckets: tuple[BucketMeta, ...]
     checksum: bool
+    deadlines_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.deadlines_s and len(self.deadlines_s) != len(self.buckets):
+            raise WireError(f"update.deadlines_s: {len(self.deadlines_s)} deadline(s) for {len(self.buckets)} bucket(s)")
+        if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
+            raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
+
+    def deadline_s(self, index: int) -> float | None:
+        """Bucket ``index``'s deadline (``len(buckets)``: the manifest's), or None for the group's own."""
+        if not self.deadlines_s:
+            return None
+        return self.deadlines_s[index] if index < len(self.deadlines_s) else max(self.deadlines_s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "buckets": [b.to_json() for b in self.buckets], "checksum": self.checksum}
+        out: dict[str, Any] = {"version": self.version, "buckets": [b.to_json() for b in self.buckets], "checksum": self.checksum}
+        if self.deadlines_s:
+            out["deadlines_s"] = list(self.deadlines_s)
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> UpdateRequest:
@@ -142,7 +162,9 @@ class UpdateRequest:
         if not raw:
             raise WireError("update.buckets: must list at least one bucket")
         checksum = _field(data, "checksum", bool, "update")
-        return cls(version, tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw)), checksum)
+        deadlines = _field(data, "deadlines_s", list, "update") if "deadlines_s" in data else []
+        buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
+        return cls(version, buckets, checksum, tuple(deadlines))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.trainer.metrics import SyncMetrics
 from asyncsync.transport.control import ControlLoop, ServerError
+from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Membership:
         self.members: list[EngineClient] = []
         self.evicted: dict[str, str] = {}
         self.group: TrainerGroups | None = None
+        self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
         self._next_probe = 0.0
 

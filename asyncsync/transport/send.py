@@ -27,7 +27,7 @@ from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
-from asyncsync.transport.membership import Membership, gather, within
+from asyncsync.transport.membership import Membership, within
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         result.finished = time.perf_counter()
         return result
     engines = list(members.members)
-    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum)
+    deadlines = tuple(members.pace.deadline_s(b.nbytes) for b in plan.buckets)
+    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines)
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -93,15 +94,19 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             await abort(e)
             raise
 
-    posted = members.control.submit(gather(engines, begin_and_update))
-    broken = _broadcast(members, plan, source, result)
-    if broken is not None:
-        members.drop_group(broken=True)
+    # One future per server, so the broadcast can watch them: a server whose update is answered
+    # before its data was sent is not receiving, and the rest of the version is not broadcast.
+    posted = {e.url: members.control.submit(begin_and_update(e)) for e in engines}
+    broken = _broadcast(members, plan, source, result, deadlines, posted)
     result.wire_s = time.perf_counter() - start - result.pack_s
+    if broken is None:
+        members.pace.observe(plan.total_bytes, result.wire_s)
+    else:
+        members.drop_group(broken=True)
     t0 = time.perf_counter()
-    updated = _collect(posted, engines, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+    updated = _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
     took = [e for e in engines if not isinstance(updated[e.url], BaseException)]
-    ended = _collect(members.control.submit(gather(took, end)), took,
+    ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
     members.server_versions.update(result.server_versions)
@@ -121,36 +126,59 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     return result
 
 
-def _collect(future: concurrent.futures.Future[dict[str, Any]], engines: list[EngineClient], within_s: float) -> dict[str, Any]:
-    """The per-server results of a control-loop gather. Its phases carry their own deadlines, so the
-    wait here only guards against a bug: past them, every server still pending counts as failed."""
-    try:
-        return future.result(within_s + SLACK_S)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        return {e.url: ServerError(e.url, f"no answer within {within_s:.1f}s", timed_out=True) for e in engines}
+def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float) -> dict[str, Any]:
+    """Each server's result (or exception) of one phase run in the control loop. The phase carries its
+    own deadline, so this wait only guards against a bug: past it, a server still pending has failed."""
+    out: dict[str, Any] = {}
+    give_up = time.monotonic() + within_s + SLACK_S
+    for url, future in futures.items():
+        try:
+            out[url] = future.result(max(0.0, give_up - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            out[url] = ServerError(url, f"no answer within {within_s:.1f}s", timed_out=True)
+        except Exception as e:  # the phase's own failure
+            out[url] = e
+    return out
 
 
-def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, result: SyncResult) -> DataPlaneError | None:
-    """Every bucket, then the checksum manifest; returns the data-plane failure, if any."""
+def _answered_early(posted: dict[str, concurrent.futures.Future[Any]]) -> str | None:
+    """A server that answered its update before the broadcast ended is not receiving it (it failed or
+    refused before any data): what it said, or None when every server is still receiving."""
+    for url, future in posted.items():
+        if future.done():
+            error = future.exception()
+            return f"{url} answered before its data was sent ({error or 'no error'}): the version cannot complete"
+    return None
+
+
+def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, result: SyncResult,
+               deadlines: tuple[float, ...], posted: dict[str, concurrent.futures.Future[Any]]) -> str | None:
+    """Every bucket, each with its deadline, then the checksum manifest; returns what broke the data
+    plane, as text (an exception kept here would hold the group's sockets through its traceback)."""
     assert members.group is not None
     group, works, crcs = members.group, [], []
     depth = source.depth
+    stopped = None
     try:
         for i, bucket in enumerate(plan.buckets):
             if depth is not None and i >= depth:
                 group.wait(works[i - depth])  # that buffer is rewritten only once its broadcast finished
+            stopped = _answered_early(posted)
+            if stopped is not None:
+                break
             t0 = time.perf_counter()
             buf, crc = source.bucket(bucket)
             result.pack_s += time.perf_counter() - t0
             if crc is not None:
                 crcs.append(crc)
-            works.append(group.broadcast_async(buf))
+            works.append(group.broadcast_async(buf, deadlines[i]))
         for work in works:
-            group.wait(work)
-        if members.config.checksum:
-            group.broadcast_checksums(crcs)
+            group.wait(work)  # each returns by its own deadline
+        if stopped is None and members.config.checksum:
+            group.broadcast_checksums(crcs, max(deadlines))
     except DataPlaneError as e:
-        log.warning("data plane failed in epoch %d: %s", members.epoch, e)
-        return e
-    return None
+        stopped = str(e)
+    if stopped is not None:
+        log.warning("data plane failed in epoch %d: %s", members.epoch, stopped)
+    return stopped

@@ -102,8 +102,9 @@ class TrainerGroups:
         """(receiver protocol, world size) of each group, for logs and tests."""
         return [(protocol.name, group.spec.world_size) for protocol, group in self._groups]
 
-    def broadcast_async(self, tensor: torch.Tensor) -> list[Any]:
-        """Start broadcasting ``tensor`` into every group; pass the result to ``wait``."""
+    def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> list[Any]:
+        """Start broadcasting ``tensor`` into every group (each with deadline ``timeout_s``); pass
+        the result to ``wait``."""
         works: list[Any] = []
         for _, group in self._groups:
             if id(group) in self._cold:
@@ -111,7 +112,7 @@ class TrainerGroups:
                     for pending in [*self._pending, works]:
                         self.wait(pending)
                 self._cold.discard(id(group))
-            works.append(group.broadcast_async(tensor))
+            works.append(group.broadcast_async(tensor, timeout_s))
         self._pending.append(works)
         return works
 
@@ -121,7 +122,7 @@ class TrainerGroups:
             group.wait(work)
         self._pending = [p for p in self._pending if p is not works]
 
-    def broadcast_checksums(self, crcs: list[int | torch.Tensor]) -> None:
+    def broadcast_checksums(self, crcs: list[int | torch.Tensor], timeout_s: float | None = None) -> None:
         """The CRC32C manifest of a version (ints, or 0-dim device tensors left by a device pack
         backend, which stay on the device), to the groups whose receivers verify it."""
         if crcs and isinstance(crcs[0], torch.Tensor):
@@ -130,7 +131,7 @@ class TrainerGroups:
             manifest = self.runtime.upload(torch.tensor(crcs, dtype=torch.int64))
         for protocol, group in self._groups:
             if protocol.checksum_manifest:
-                group.broadcast(manifest)
+                group.broadcast(manifest, timeout_s)
 
     def close(self, broken: bool = False) -> None:
         self._pending = []

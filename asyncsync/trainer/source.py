@@ -129,11 +129,11 @@ class WeightsReader:
     """Reads the view of one module (or of mappings) on the trainer's thread, in O(tensors) lookups.
 
     For a module, one walk of the tree finds which tensors are sent under which names (all but the
-    ``ties`` left out) and which module attribute holds each; every ``read`` then looks each tensor up again from
-    its module. The walk is redone only after the tree changed: torch's global registration hooks
-    report any submodule, parameter or buffer (re)registered on a module of the tree, including a
-    parameter replaced by attribute assignment. A mapping is read as a shallow copy; its ties are
-    left out by ``WeightsView.tensors`` on whichever thread packs it.
+    ``ties`` left out) and which module attribute holds each; every ``read`` then looks each tensor
+    up again from its module. The walk is redone only after the tree changed: torch's global
+    registration hooks report any submodule, parameter or buffer (re)registered on a module of the
+    tree, including a parameter replaced by attribute assignment. A mapping is read as a shallow
+    copy; its ties are left out by ``WeightsView.tensors`` on whichever thread packs it.
     """
 
     def __init__(self, ties: TiedNames = TiedNames()) -> None:

@@ -47,6 +47,7 @@ class EngineClient(ABC):
 
         n = await client.world_size()                 # data-plane ranks the server contributes
         await client.init_group(spec, rank_offset)    # answered once the server's ranks joined
+        names = await client.expected_names()         # at connect: the tensor names it loads, or None
         for version in versions:
             await client.begin(version)
             await client.update(request)              # answered after the server received the buckets;
@@ -82,6 +83,13 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def init_group(self, spec: GroupSpec, rank_offset: int) -> None: ...
+
+    async def expected_names(self) -> frozenset[str] | None:
+        """The tensor names the server checks every version against, or None when it cannot tell (the
+        default). The trainer uses them only to decide whether a tied weight's second name
+        (``lm_head.weight``) is sent: a server that cannot tell is taken to expect a checkpoint saved
+        from the model, which stores a tied weight once (``trainer.source.TiedNames``)."""
+        return None
 
     @abstractmethod
     async def begin(self, version: int) -> None: ...

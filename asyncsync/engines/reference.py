@@ -18,6 +18,9 @@ class ReferenceEngine(EngineClient):
     async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
         await self.http.post("/init_group", InitGroupRequest(spec, rank_offset).to_json())
 
+    async def expected_names(self) -> frozenset[str]:
+        return frozenset((await self.http.get("/weights/names"))["names"])
+
     async def begin(self, version: int) -> None:
         await self.http.post("/begin", VersionRequest(version).to_json())
 

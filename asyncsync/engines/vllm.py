@@ -12,6 +12,11 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
     POST /reset_prefix_cache?reset_running_requests=true  policy ``reset_prefix_cache``
     POST /resume
     GET  /weight_info                              {"weight_version": "7"}: the live version
+
+vLLM 0.32's routes cannot tell the trainer which tensor names the engine expects (the checkpoint's):
+``/init_weight_transfer_engine`` answers a fixed message, ``/weight_info`` only the version, and
+``/collective_rpc`` calls only methods of vLLM's worker. So ``expected_names`` stays None: the
+trainer sends a tied weight once, as the checkpoint saved from a tied model stores it.
 """
 
 from __future__ import annotations

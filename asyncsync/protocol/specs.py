@@ -47,21 +47,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def distinct_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop names that alias an earlier tensor (tied weights such as ``lm_head.weight``): sent once.
-
-    Trainer and receivers apply the same rule to the same module layout, so they agree on the names.
-    """
-    seen: set[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]] = set()
-    out: dict[str, torch.Tensor] = {}
+def storage_aliases(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Names whose tensor is an earlier name's tensor (same storage, dtype, shape and strides), each
+    mapped to that earlier name: how ``state_dict`` lists tied weights such as ``lm_head.weight``."""
+    first: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]], str] = {}
+    aliases: dict[str, str] = {}
     for name, t in named.items():
         if t.numel():
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-            if key in seen:
-                continue
-            seen.add(key)
-        out[name] = t
-    return out
+            earlier = first.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), name)
+            if earlier != name:
+                aliases[name] = earlier
+    return aliases
+
+
+def distinct_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named`` without its storage aliases: a tied weight once, under its first name, as a checkpoint
+    saved from the model stores it (the names a receiver built from a model expects)."""
+    aliases = storage_aliases(named)
+    return {name: t for name, t in named.items() if name not in aliases}
 
 
 @dataclass(frozen=True)

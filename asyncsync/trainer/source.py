@@ -1,22 +1,31 @@
 """The (name, tensor) view of the trainer's weights for one version, read fresh every time.
 
-Only indexes are cached between versions (the ``BucketPlan``, and where each tensor lives in the
-module); the tensors are looked up again for every version, so a parameter object replaced between
-syncs is what gets sent. The view is read on the trainer's thread, at ``publish``, by a
-``WeightsReader``: never through ``state_dict()`` (its hooks may issue collectives: FSDP's do) and
-never from the sync's own threads (FSDP swaps a module's registered parameters between sharded and
-unsharded forms while it computes; at ``publish``, after the optimizer step, they are the sharded ones).
+Only indexes are cached between versions (the ``BucketPlan``, which names are sent, and where each
+tensor lives in the module); the tensors are looked up again for every version, so a parameter
+object replaced between syncs is what gets sent. The view is read on the trainer's thread, at
+``publish``, by a ``WeightsReader``: never through ``state_dict()`` (its hooks may issue collectives:
+FSDP's do) and never from the sync's own threads (FSDP swaps a module's registered parameters
+between sharded and unsharded forms while it computes; at ``publish``, after the optimizer step, they
+are the sharded ones).
+
+Which names are sent is decided once, at ``connect``, by ``TiedNames``: a tied weight
+(``lm_head.weight`` tied to ``model.embed_tokens.weight``) is sent once, under the name the servers
+load it by, whether a version is published as the module or as a detached copy of its state dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from asyncsync.protocol.specs import BucketPlan, distinct_tensors
+from asyncsync.protocol.specs import BucketPlan, storage_aliases
+
+log = logging.getLogger(__name__)
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor]
 
@@ -40,18 +49,95 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def all_tensors(weights: Weights) -> dict[str, torch.Tensor]:
+    """Every tensor of a module (``module_tensors``) or a mapping, tied ones under each of their names."""
+    return module_tensors(weights) if isinstance(weights, torch.nn.Module) else dict(weights)
+
+
+def declared_ties(module: torch.nn.Module) -> dict[str, str]:
+    """alias -> target, for the ties the model declares: transformers >= 5 lists them in
+    ``all_tied_weights_keys`` (empty when untied); older versions declare only
+    ``config.tie_word_embeddings``, which ties the output embeddings to the input embeddings. Names
+    are prefixed for a transformers model nested inside another module."""
+    out: dict[str, str] = {}
+    for prefix, m in module.named_modules():
+        keys = getattr(m, "all_tied_weights_keys", None)
+        if isinstance(keys, Mapping):
+            pairs = dict(keys)
+        elif getattr(getattr(m, "config", None), "tie_word_embeddings", False):
+            pairs = _word_embeddings_tie(m)
+        else:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        out.update({dot + alias: dot + target for alias, target in pairs.items()})
+    return out
+
+
+def _word_embeddings_tie(m: torch.nn.Module) -> dict[str, str]:
+    try:
+        source, tied = m.get_input_embeddings(), m.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        return {}
+    names = {id(sub): name for name, sub in m.named_modules()}
+    if tied is None or source is tied or id(source) not in names or id(tied) not in names:
+        return {}
+    return {f"{names[id(tied)]}.weight": f"{names[id(source)]}.weight"}
+
+
+@dataclass(frozen=True)
+class TiedNames:
+    """The names that are not sent because each is a tie of a sent tensor: alias -> that tensor's name.
+
+    Decided once, at ``connect``. An alias is a name whose tensor is an earlier name's (``state_dict``
+    lists a tied weight under each of its names), or one of a pair of equal dtype and shape that the
+    model declares tied (``declared_ties``: known even in a detached copy of the state dict, where
+    nothing shares storage). An alias is sent only when a server expects it by name (a checkpoint
+    that stores the tied weight twice); ``expected`` is None when no server can tell, and then no
+    alias is sent, as a checkpoint saved from a tied model stores none. Only aliases are ever left
+    out: any other name is sent, and a server that does not know it refuses the version.
+    """
+
+    unsent: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def decide(cls, weights: Weights, expected: Collection[str] | None) -> TiedNames:
+        named = all_tensors(weights)
+        aliases = storage_aliases(named)
+        if isinstance(weights, torch.nn.Module):
+            for alias, target in declared_ties(weights).items():
+                target = aliases.get(target, target)  # the name that is sent
+                if alias != target and alias not in aliases and _same_spec(named, alias, target):
+                    aliases[alias] = target
+        unsent = {alias: target for alias, target in aliases.items() if expected is None or alias not in expected}
+        if unsent:
+            log.info("tied weights sent once: %s", ", ".join(f"{a} -> {t}" for a, t in unsent.items()))
+        return cls(unsent)
+
+    def drop(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``named`` without the unsent aliases. An alias whose dtype or shape no longer equals its
+        target's is kept: it is not that tie any more, and the layout check names it."""
+        return {name: t for name, t in named.items()
+                if name not in self.unsent or not _same_spec(named, name, self.unsent[name])}
+
+
+def _same_spec(named: Mapping[str, torch.Tensor], a: str, b: str) -> bool:
+    x, y = named.get(a), named.get(b)
+    return x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape
+
+
 class WeightsReader:
     """Reads the view of one module (or of mappings) on the trainer's thread, in O(tensors) lookups.
 
-    For a module, one walk of the tree finds which tensors are sent under which names and which
-    module attribute holds each (tied ones once); every ``read`` then looks each tensor up again from
-    its module. The walk is redone only after the tree changed: torch's global registration hooks
-    report any submodule, parameter or buffer (re)registered on a module of the tree, including a
-    parameter replaced by attribute assignment. A mapping is read as a shallow copy; its ties are
-    resolved by ``WeightsView.tensors`` on whichever thread packs it.
+    For a module, one walk of the tree finds which tensors are sent under which names (all but the
+    ``ties`` left out) and which module attribute holds each; every ``read`` then looks each tensor
+    up again from its module. The walk is redone only after the tree changed: torch's global
+    registration hooks report any submodule, parameter or buffer (re)registered on a module of the
+    tree, including a parameter replaced by attribute assignment. A mapping is read as a shallow
+    copy; its ties are left out by ``WeightsView.tensors`` on whichever thread packs it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ties: TiedNames = TiedNames()) -> None:
+        self.ties = ties
         self._module: torch.nn.Module | None = None
         self._index: list[tuple[str, dict[str, Any], str]] = []  # (name, module._parameters/_buffers, key)
         self._members: set[int] = set()
@@ -64,17 +150,17 @@ class WeightsReader:
 
     def read(self, weights: Weights) -> WeightsView:
         if not isinstance(weights, torch.nn.Module):
-            return WeightsView(dict(weights), resolved=False)
+            return WeightsView(dict(weights), self.ties)
         if weights is not self._module or self._stale:
             self._walk(weights)
-        return WeightsView({name: table[key] for name, table, key in self._index}, resolved=True)
+        return WeightsView({name: table[key] for name, table, key in self._index})
 
     def _walk(self, module: torch.nn.Module) -> None:
         if not self._hooks:
             self._hooks = [register(self._on_registration) for register in (
                 nn_module.register_module_parameter_registration_hook, nn_module.register_module_buffer_registration_hook,
                 nn_module.register_module_module_registration_hook)]
-        kept = named_tensors(module)
+        kept = self.ties.drop(module_tensors(module))
         index, members = [], set()
         for prefix, m in module.named_modules(remove_duplicate=False):
             members.add(id(m))
@@ -96,19 +182,19 @@ class WeightsReader:
 class WeightsView:
     """The tensors of one version as read at ``publish``; ``tensors()`` gives the name -> tensor map sent."""
 
-    def __init__(self, named: dict[str, torch.Tensor], resolved: bool):
-        self._named, self._resolved = named, resolved
+    def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None):
+        self._named, self._ties = named, ties  # ties: still to be left out of ``named`` (a mapping's)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        if not self._resolved:
-            self._named, self._resolved = distinct_tensors(self._named), True
+        if self._ties is not None:
+            self._named, self._ties = self._ties.drop(self._named), None
         return self._named
 
 
 def named_tensors(weights: Weights) -> dict[str, torch.Tensor]:
-    """Fresh name -> tensor map of a module or a mapping; tensors tied to an earlier name are dropped
-    (sent once, see ``distinct_tensors``)."""
-    return distinct_tensors(module_tensors(weights) if isinstance(weights, torch.nn.Module) else weights)
+    """Fresh name -> tensor map of a module or a mapping as sent to servers that do not report the
+    names they expect: tied weights once (``TiedNames``)."""
+    return TiedNames.decide(weights, None).drop(all_tensors(weights))
 
 
 def check_layout(plan: BucketPlan, named: Mapping[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.protocol.device import Runtime, runtime_for
-from asyncsync.trainer.source import Weights, WeightsReader, weights_device
+from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, weights_device
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.control import ControlLoop
@@ -82,11 +82,13 @@ class WeightSync:
         return self._ring.nbytes if self._ring is not None else 0
 
     def connect(self, model: Weights) -> None:
-        """Pick the pack backend, build the data-plane groups with every server (warmed up), plan the
-        buckets and allocate the buffers; in async mode start the worker. On failure nothing is left open."""
+        """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
+        which names are sent (a tied weight once, unless a server expects it twice: ``TiedNames``),
+        plan the buckets and allocate the buffers; in async mode start the worker. On failure nothing
+        is left open. Pass the module, not a copy of its state dict, so that its ties are known: later
+        versions may then be published either way."""
         cfg = self.config
-        named = self._reader.read(model).tensors()
-        self.runtime = runtime = runtime_for(weights_device(named))
+        self.runtime = runtime = runtime_for(weights_device(all_tensors(model)))
         device = runtime.device
         try:
             self._packer = get_backend(cfg.pack_backend, device)  # before any group: a bad backend fails first
@@ -94,6 +96,10 @@ class WeightSync:
             groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
             for group_cfg in groups:
                 self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime))
+            told = [names for m in self._members for names in m.expected_names()]
+            self._reader.close()
+            self._reader = WeightsReader(TiedNames.decide(model, frozenset().union(*told) if told else None))
+            named = self._reader.read(model).tensors()
             single_dtype = any(m.single_dtype_buckets for m in self._members)
             self.plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
 

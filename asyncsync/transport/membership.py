@@ -70,6 +70,15 @@ class Membership:
     def single_dtype_buckets(self) -> bool:
         return any(e.protocol.single_dtype_buckets for e in self.engines)
 
+    def expected_names(self) -> list[frozenset[str]]:
+        """The tensor names each member server that can tell checks versions against (asked at connect).
+        A server that fails to answer is counted as one that cannot tell: it still refuses a bad version."""
+        answers = self.call_all(self.members, lambda e: e.expected_names(), "expected_names")
+        for url, answer in answers.items():
+            if isinstance(answer, BaseException):
+                log.warning("%s did not say which tensors it expects: %s", url, answer)
+        return [a for a in answers.values() if isinstance(a, frozenset)]
+
     def member_versions(self) -> dict[str, int]:
         """The versions of the servers currently in the groups (evicted ones excluded)."""
         return {e.url: self.server_versions[e.url] for e in self.members}

@@ -6,6 +6,7 @@ Routes (JSON in and out)::
     GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
     GET  /world_size        {"world_size": 1}     data-plane ranks this server needs
     GET  /weights/digest    {"version": v, "digest": {name: sha256}}
+    GET  /weights/names     {"names": [...]}       the tensor names every version must carry
     POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
                             -> {"completions": [[ids]], "weight_version": v}
     POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
@@ -87,6 +88,7 @@ class ReferenceServer:
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
+            web.get("/weights/names", self.names),
             web.post("/generate", self.generate), web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
             *self.sglang.routes(),
@@ -141,6 +143,9 @@ class ReferenceServer:
     async def digest(self, _r: web.Request) -> web.Response:
         version, digest = await self._run(self._gen, self.receiver.digest)
         return web.json_response({"version": version, "digest": digest})
+
+    async def names(self, _r: web.Request) -> web.Response:
+        return web.json_response({"names": self.receiver.expected_names})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -41,6 +41,11 @@ class WeightReceiver:
         self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime)
         self._staged: StagedVersion | None = None
 
+    @property
+    def expected_names(self) -> list[str]:
+        """The tensor names every version must carry (the model's, a tied weight once)."""
+        return list(self.stager.expected)
+
     def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
         self.stager.join(spec, rank, warmup)
 

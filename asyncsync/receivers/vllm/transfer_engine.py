@@ -8,12 +8,18 @@ vLLM calls, per version: ``start_weight_update``, ``update_weights`` (with async
    dtypes and shapes against the checkpoint the server loaded, every tensor exactly once); a bad
    version is refused here, before the model is touched;
 2. only then open vLLM's layerwise reload, ``model.load_weights`` the whole version (HF checkpoint
-   names), and close the reload, even when loading raises.
+   names), and close the reload, even when loading raises;
+3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``:
+   ``receivers/vllm/ties.py``), so no layer keeps computing with derived state of older weights. A
+   model with a tied module whose processing cannot be re-run has every version refused in step 1.
 
 The reload (which parks parameters on the meta device until each layer is complete) therefore never
 spans two RPCs: a forward pass can run only between RPCs, so none ever meets a half-loaded model,
 whether or not the trainer pauses generation and whatever happens to the trainer mid-update.
 ``start_weight_update`` and ``finish_weight_update`` have nothing left to do.
+
+Contract: a version this engine reports loaded is served by every module, each with the processing
+derived from that version's weights; a version that cannot be is refused before the model is touched.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.staging import BucketStager, StagedVersion
 from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest
+from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.stager = BucketStager(checkpoint_specs(vllm_config), "/init_weight_transfer_engine",
                                    runtime_for(torch.device(device)), arena=True)
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
+        self.ties = TiedModules(model)
         log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
@@ -66,6 +74,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def receive_weights(self, update_info: UpdateRequest) -> None:  # type: ignore[override]
         staged = self.stager.receive(update_info, self.version)  # raises VersionRejected; model untouched
+        self.ties.check(staged.version)  # raises VersionRejected; model untouched
         self._load(staged)
         self.version = staged.version
         log.info("loaded version %d (%d buckets)", staged.version, len(staged.buckets))
@@ -73,9 +82,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def _load(self, staged: StagedVersion) -> None:
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(staged.tensors())
+            loaded = self.model.load_weights(staged.tensors())
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+        self.ties.reprocess(loaded)
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: ``receive_weights`` closed the reload it opened."""

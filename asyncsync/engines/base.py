@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 Phase = Literal["begin", "update", "end", "abort"]
 
 
+class UnsupportedServer(ServerError):
+    """The server runs a setup its engine client can never sync (SGLang with data-parallel replicas,
+    say): a configuration to change, not a fault to wait out. Raised by ``world_size``; ``connect``
+    raises it instead of starting without that server."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """``n`` completions of one prompt and the weight version that generated them."""

@@ -3,51 +3,16 @@ as SGLang 0.5.23 does (routes, methods, bodies, status codes; SGLang 0.5.20 with
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-from typing import Any
-
 import pytest
 import torch
 
-from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
 from asyncsync.protocol.sglang import NO_SESSION, SESSION_OPEN
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
 
 from conftest import TINY
-from helpers import ThreadedServer, Trainer, digest
-
-
-def weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``model``'s state with every parameter redrawn from ``seed`` (buffers kept)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
-    return dict(model.state_dict())
-
-
-def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
-    """(status, decoded body or None) of one plain HTTP call; 4xx/5xx are returned, not raised."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            status, text = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read()
-    return status, json.loads(text) if text else None
-
-
-def sglang_config(url: str, bucket_bytes: int | str = "16KiB", **server: object) -> WeightSyncConfig:
-    return WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "sglang", **server}], "bucket_bytes": bucket_bytes})
-
-
-def live_version(url: str) -> str:
-    return call(url, "GET", "/model_info")[1]["weight_version"]
+from helpers import ThreadedServer, Trainer, call, digest, live_version, sglang_config, weights
 
 
 @pytest.mark.parametrize("sessions", [True, False], ids=["sglang>=0.5.21", "sglang-0.5.20-404"])

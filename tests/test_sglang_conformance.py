@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync import WeightSync
 from asyncsync.protocol import sglang as messages
 from asyncsync.protocol.sglang import SGLANG_RELEASE, UpdateWeightsFromDistributed, consumed
 from asyncsync.receivers.reference.sglang_api import SglangApi

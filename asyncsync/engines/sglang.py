@@ -47,7 +47,8 @@ from asyncsync.engines.base import (
     DataPlaneProtocol, EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version,
 )
 from asyncsync.protocol.sglang import (
-    SESSION_OPEN, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed, consumed,
+    SESSION_OPEN, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup, EndWeightUpdate,
+    InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDistributed, consumed,
 )
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 SGLANG_PROTOCOL = DataPlaneProtocol("sglang", warmup=False, checksum_manifest=False, single_dtype_buckets=True)
 PAUSE_MODE = "retract"  # unlike "in_place", lets SGLang flush its cache while requests are paused
+CLOSE_TIMEOUT_S = 5.0   # destroying the group on close is a courtesy: a server that does not answer is left be
 
 
 def data_plane_ranks(url: str, info: dict[str, Any]) -> int:
@@ -105,14 +107,14 @@ class SglangEngine(EngineClient):
         self._owes_receives = True
         if self.server.pause:
             self._paused = True  # set first: a pause whose answer was lost may still have happened
-            await self._post_checked("/pause_generation", {"mode": PAUSE_MODE}, idempotent=True)
+            await self._post_checked("/pause_generation", PauseGeneration(PAUSE_MODE).to_json(), idempotent=True)
         if self._sessions is not False:
             await self._begin_session()
 
     async def _begin_session(self) -> None:
         self._in_session = True  # set first: a session whose answer was lost may still be open
         try:
-            await self._post_checked("/begin_weight_update", {})
+            await self._post_checked("/begin_weight_update", BeginWeightUpdate().to_json())
         except ServerError as e:
             if e.status == 404:
                 self._in_session = False
@@ -123,8 +125,8 @@ class SglangEngine(EngineClient):
                 raise
             # A session nobody closed: a trainer killed mid-version, or an end whose answer was lost.
             log.warning("%s: closing an update session left open, then opening this version's", self.url)
-            await self._post_checked("/end_weight_update", {})
-            await self._post_checked("/begin_weight_update", {})
+            await self._post_checked("/end_weight_update", EndWeightUpdate().to_json())
+            await self._post_checked("/begin_weight_update", BeginWeightUpdate().to_json())
         self._sessions = True
 
     async def update(self, request: UpdateRequest) -> None:
@@ -174,20 +176,21 @@ class SglangEngine(EngineClient):
         try:
             if self._in_session:
                 self._in_session = False
-                await self._post_checked("/end_weight_update", {})
+                await self._post_checked("/end_weight_update", EndWeightUpdate().to_json())
         finally:
             if self._paused:
                 self._paused = False
-                await self._post_checked("/continue_generation", {}, idempotent=True)
+                await self._post_checked("/continue_generation", ContinueGeneration().to_json(), idempotent=True)
 
-    async def _destroy_group(self) -> None:
+    async def _destroy_group(self, timeout_s: float | None = None) -> None:
         """Destroy the server's side of this client's group (local to the server). Never raises: a
         server that restarted no longer has it, and one that does not answer is being evicted."""
         name, self._group_name = self._group_name, None
         if name is None:
             return
         try:
-            await self._post_checked("/destroy_weights_update_group", DestroyWeightsUpdateGroup(name).to_json())
+            await self._post_checked("/destroy_weights_update_group", DestroyWeightsUpdateGroup(name).to_json(),
+                                     timeout_s=timeout_s)
         except ServerError as e:
             log.info("%s: group %s not destroyed: %s", self.url, name, e)
 
@@ -211,12 +214,15 @@ class SglangEngine(EngineClient):
         return Generation([o["output_ids"] for o in outputs], min(versions))
 
     async def close(self) -> None:
-        await self._destroy_group()
-        await super().close()
+        try:
+            await self._destroy_group(timeout_s=CLOSE_TIMEOUT_S)
+        finally:
+            await super().close()
 
-    async def _post_checked(self, path: str, body: dict[str, object], idempotent: bool = False) -> object:
+    async def _post_checked(self, path: str, body: dict[str, object], idempotent: bool = False,
+                            timeout_s: float | None = None) -> object:
         """POST, treating SGLang's ``{"success": false}`` as the failure it is, whatever the status."""
-        answer = await self.http.post(path, body, idempotent=idempotent)
+        answer = await self.http.post(path, body, timeout_s, idempotent=idempotent)
         if isinstance(answer, dict) and answer.get("success") is False:
             detail = answer.get("message", answer)
             raise ServerError(self.url, f"POST {path} -> {detail}", 400, detail=detail)

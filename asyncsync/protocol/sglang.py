@@ -219,12 +219,16 @@ class EndWeightUpdate(SglangRequest):
 
 @dataclass(frozen=True)
 class PauseGeneration(SglangRequest):
+    """``POST /pause_generation``: ``retract`` puts running requests back in the queue."""
+
     STRUCT = "PauseGenerationReqInput"
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 @dataclass(frozen=True)
 class ContinueGeneration(SglangRequest):
+    """``POST /continue_generation``: resume what ``/pause_generation`` stopped."""
+
     STRUCT = "ContinueGenerationReqInput"
     torch_empty_cache: bool = True
 

@@ -34,6 +34,8 @@ Where the reference server departs from SGLang, on purpose:
 * only ``load_format="flattened_bucket"`` is received (the per-tensor path is refused before any
   broadcast, with SGLang's receive-failure message), and an empty ``group_name`` is refused (SGLang's
   scheduler process dies on it);
+* a group name the server already holds is refused before the rendezvous (SGLang refuses it with the
+  same message after the rendezvous, when torch registers the name);
 * the bearer token check and ``/health`` are the reference server's own, and ``/generate`` speaks
   the reference server's API, not SGLang's.
 """

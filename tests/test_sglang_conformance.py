@@ -164,14 +164,14 @@ def test_versions_arrive_bit_exact_and_the_client_reads_the_live_version(server,
 
 def test_a_refusal_before_the_receive_costs_no_collective_deadline(server):
     model = mixed_dtype_model(TINY)
-    cfg = sglang_config(server.url, deadlines={"collective_s": 60, "rendezvous_s": 60, "http_s": 30})
+    cfg = sglang_config(server.url, deadlines={"collective_s": 60, "broadcast_floor_s": 30, "rendezvous_s": 60, "http_s": 30})
     with WeightSync(cfg) as sync:
         sync.connect(model)
         server.post("/test/refuse_next_update", {})
         start = time.monotonic()
         result = sync.publish(drift(model, 7), 7)
         took = time.monotonic() - start
-        assert took < 10, f"the refused version held the trainer {took:.1f}s (collective_s is 60)"
+        assert took < 10, f"the refused version held the trainer {took:.1f}s (a broadcast may take 30 s)"
         failure = result.failures[server.url]
         assert "Failed to receive weights: Group" in failure and "Please call `init_weights_update_group` first" in failure
         assert [(e.kind, e.server) for e in sync.events] == [("refused", server.url)]

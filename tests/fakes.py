@@ -20,11 +20,15 @@ only run on GPUs (docs/design.md "GPU semantics" lists them):
   ``abort`` fails them; two threads inside an enqueue at once is an error (NCCL's rule);
 * ``boundary()`` marks the calling thread as inside ``publish``/``wait_snapshot``: a host sync there
   (an event or work waited on the host, ``Tensor.item``/``cpu``/``tolist``/``numpy``) raises.
+
+``RefuseBeforeReceive``: an SGLang scheduler (the reference server's, or SGLang's own code) that
+refuses one update before its receive, as a real server does after a restart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import queue
@@ -354,3 +358,24 @@ class FakeCudaPack(PackBackend):
 
         self.fake.launch(kernel)
         return crc if checksum else None
+
+
+class RefuseBeforeReceive:
+    """An SGLang scheduler whose next ``update_weights_from_distributed`` after ``arm()`` names a
+    group the server does not have: the scheduler's own code then refuses it before receiving."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self._armed = threading.Event()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def update_weights_from_distributed(self, req: Any) -> tuple[bool, str]:
+        if self._armed.is_set():
+            self._armed.clear()
+            req = dataclasses.replace(req, group_name=f"{req.group_name}.gone")
+        return self.scheduler.update_weights_from_distributed(req)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -33,6 +37,37 @@ def digest(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, s
     """SHA-256 of every tensor's bytes, by name: what ``GET /weights/digest`` answers for the same weights."""
     named = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in named.items()}
+
+
+def weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """``model``'s state with every parameter redrawn from ``seed`` (buffers kept)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    return dict(model.state_dict())
+
+
+def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """(status, decoded body or None) of one plain HTTP call; 4xx/5xx are returned, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, text = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read()
+    return status, json.loads(text) if text else None
+
+
+def live_version(url: str) -> str:
+    """What an SGLang server reports as its live weight version (``/model_info``)."""
+    return call(url, "GET", "/model_info")[1]["weight_version"]
+
+
+def sglang_config(url: str, bucket_bytes: int | str = "16KiB", **options: Any) -> WeightSyncConfig:
+    """One server addressed as ``kind: sglang``; ``options`` are further WeightSyncConfig keys."""
+    return WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "sglang"}], "bucket_bytes": bucket_bytes, **options})
 
 
 class Watcher:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -43,7 +44,7 @@ def test_reference_and_sglang_kinds_sync_bit_exactly_through_two_groups(servers)
             want = digest(named)
             for server in servers:
                 assert server.get("/weights/digest") == {"version": version, "digest": want}
-        assert via_sglang.get("/get_weight_version") == {"weight_version": "3"}
+        assert via_sglang.get("/model_info")["weight_version"] == "3"
     finally:
         trainer.close()
 
@@ -89,5 +90,6 @@ def test_a_server_that_refuses_does_not_hold_back_the_others():
             assert [(e.kind, e.server) for e in sync.events] == [("refused", mismatched.url)]
             assert sync.server_versions == {native.url: 1, mismatched.url: 0}
         assert native.get("/version")["version"] == 1
-        assert mismatched.get("/get_weight_version") == {"weight_version": "default"}
-        assert mismatched.get("/get_server_info")["paused"] is False
+        assert mismatched.get("/model_info")["weight_version"] == "default"
+        with urllib.request.urlopen(mismatched.url + "/ready", timeout=30) as ready:
+            assert ready.status == 200, "generation resumed"

@@ -1,76 +1,103 @@
-"""The SGLang client end to end, against the reference server speaking SGLang's weight-update API."""
+"""The SGLang client end to end against the reference server's SGLang API, and that API answering
+as SGLang 0.5.23 does (routes, methods, bodies, status codes; SGLang 0.5.20 with sessions=False)."""
 
 from __future__ import annotations
-
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
-from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
+from asyncsync.protocol.sglang import NO_SESSION, SESSION_OPEN
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
 
 from conftest import TINY
-from helpers import ThreadedServer, Trainer, digest
+from helpers import ThreadedServer, Trainer, call, digest, live_version, sglang_config, weights
 
 
-
-def weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``model``'s state with every parameter redrawn from ``seed`` (buffers kept)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
-    return dict(model.state_dict())
-
-
-def get(url: str, path: str) -> dict:
-    with urllib.request.urlopen(url + path, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def sglang_config(url: str, bucket_bytes: int | str = "16KiB", **server: object) -> WeightSyncConfig:
-    return WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "sglang", **server}], "bucket_bytes": bucket_bytes})
-
-
-@pytest.mark.parametrize("sessions", [True, False], ids=["sglang>=0.5.21", "older-sglang-404"])
+@pytest.mark.parametrize("sessions", [True, False], ids=["sglang>=0.5.21", "sglang-0.5.20-404"])
 def test_sglang_client_syncs_versions_bit_exactly(sessions):
     with ThreadedServer(ReferenceServer(build_model(TINY), sglang_sessions=sessions)) as server:
         trainer = Trainer(sglang_config(server.url))
         try:
-            assert get(server.url, "/get_weight_version") == {"weight_version": "default"}
+            assert live_version(server.url) == "default"
             model = build_model(TINY)
             for version in (1, 2, 3):
                 named = weights(model, version)
                 assert trainer.publish(named, version) == {server.url: version}
                 assert server.server.receiver.digest() == (version, digest(named))
-                assert get(server.url, "/get_weight_version") == {"weight_version": str(version)}
-                assert get(server.url, "/get_server_info")["paused"] is False, "generation resumed"
+                assert live_version(server.url) == str(version)
+                assert call(server.url, "GET", "/ready") == (200, None), "generation resumed"
             assert trainer.groups == [("sglang", 2)]
+            assert call(server.url, "GET", "/server_info")[1]["weight_version"] == "default", "the start-up version"
         finally:
             trainer.close()
 
 
-def test_update_outside_a_session_is_refused_when_sessions_exist():
+VALID = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[TINY.vocab_size, TINY.hidden_size]],
+         "group_name": "g", "load_format": "flattened_bucket"}
+
+
+def test_routes_answer_as_sglang_0_5_23():
     with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
-        body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[TINY.vocab_size, TINY.hidden_size]],
-                "group_name": "weight_update_group", "load_format": "flattened_bucket"}
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(urllib.request.Request(
-                server.url + "/update_weights_from_distributed", json.dumps(body).encode(),
-                {"Content-Type": "application/json"}), timeout=30)
-        assert err.value.code == 400
-        answer = json.loads(err.value.read())
-        assert answer["success"] is False and "not initialized" in answer["message"]
+        url = server.url
+        assert call(url, "GET", "/get_weight_version") == (404, {"detail": "Not Found"})
+        assert call(url, "GET", "/weight_version") == (404, {"detail": "Not Found"})
+        assert call(url, "GET", "/update_weights_from_distributed") == (405, {"detail": "Method Not Allowed"})
+        assert call(url, "POST", "/model_info", {}) == (405, {"detail": "Method Not Allowed"})
+
+        status, info = call(url, "GET", "/model_info")
+        assert status == 200 and info["weight_version"] == "default" and info["is_generation"] is True
+        assert call(url, "GET", "/get_model_info") == (200, info)
+        status, args = call(url, "GET", "/server_info")
+        assert status == 200 and (args["tp_size"], args["dp_size"], args["attn_dp_size"]) == (1, 1, 1)
+
+        for bad in (None, {"names": ["a"], "dtypes": ["float32"]}, {**VALID, "selector": "nope"},
+                    {**VALID, "weight_version": 5}, {**VALID, "shapes": [["x"]]}):
+            status, body = call(url, "POST", "/update_weights_from_distributed", bad)
+            assert status == 400 and body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request"
+            assert "validation error" in body["message"], body
+        status, body = call(url, "POST", "/update_weights_from_distributed", raw=b"{not json")
+        assert status == 400 and body["object"] == "error"
+
+        # Refused before anything is received, with SGLang's words.
+        assert call(url, "POST", "/update_weights_from_distributed", VALID) == (400, {"success": False, "message": NO_SESSION})
+        assert call(url, "POST", "/end_weight_update", {}) == (
+            400, {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"})
+        assert call(url, "POST", "/end_weight_update")[0] == 400, "SGLang requires a body, even {}"
+        assert call(url, "POST", "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+        assert call(url, "POST", "/begin_weight_update", {}) == (400, {"success": False, "message": SESSION_OPEN})
+        assert call(url, "POST", "/update_weights_from_distributed", VALID) == (400, {
+            "success": False, "message": "Failed to receive weights: Group g not in []. Please call "
+                                         "`init_weights_update_group` first."})
+        assert call(url, "POST", "/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
+        assert call(url, "POST", "/destroy_weights_update_group", {"group_name": "g"}) == (
+            400, {"success": False, "message": "The group to be destroyed does not exist."})
+
+        assert call(url, "POST", "/pause_generation", {"mode": "retract"}) == (
+            200, {"message": "Generation paused successfully.", "status": "ok"})
+        assert call(url, "GET", "/ready") == (503, None)
+        assert call(url, "POST", "/pause_generation", {"mode": "later"})[0] == 400
+        assert call(url, "POST", "/continue_generation", {}) == (
+            200, {"message": "Generation continued successfully.", "status": "ok"})
+        assert call(url, "GET", "/ready") == (200, None)
+
+
+def test_sessionless_server_answers_as_sglang_0_5_20():
+    with ThreadedServer(ReferenceServer(build_model(TINY), sglang_sessions=False)) as server:
+        url = server.url
+        assert call(url, "POST", "/begin_weight_update", {}) == (404, {"detail": "Not Found"})
+        status, body = call(url, "GET", "/get_weight_version")
+        assert status == 404 and body["code"] == 404 and "Please use '/model_info' instead" in body["message"]
+        status, body = call(url, "POST", "/update_weights_from_distributed", VALID)  # no session needed
+        assert status == 400 and body["message"].startswith("Failed to receive weights: Group g not in")
+        assert "disaggregation_mode" not in call(url, "GET", "/model_info")[1]
 
 
 def test_refused_versions_leave_the_old_weights_serving():
-    """One tensor per bucket keeps every bucket single-dtype even for a mixed-dtype model; 64 KiB
-    buckets mix bf16 and fp32, which SGLang's flattened buckets do not portably support."""
+    """Refusals after the broadcast (an unknown tensor, a wrong shape) leave the served weights and
+    version alone. A bucket mixing bf16 and fp32 is no refusal: SGLang 0.5.20+ reads flattened
+    buckets as bytes (asyncsync still sends one dtype per bucket, which every release reads)."""
     with ThreadedServer(ReferenceServer(mixed_dtype_model(TINY))) as server:
         trainer = Trainer(sglang_config(server.url, bucket_bytes=1))
         try:
@@ -80,18 +107,20 @@ def test_refused_versions_leave_the_old_weights_serving():
             served = server.server.receiver.digest()
             assert served == (1, digest(good))
 
-            result = trainer.publish(weights(model, 2), 2, bucket_bytes=64 * 1024, single_dtype=False)[server.url]
-            assert "mixes dtypes" in str(result)
             unknown = {**weights(model, 3), "no.such.tensor": torch.zeros(3)}
             result = trainer.publish(unknown, 3)[server.url]
-            assert "unknown tensor 'no.such.tensor'" in str(result)
+            assert "unknown tensor 'no.such.tensor'" in str(result) and "Failed to update parameter online" in str(result)
+            reshaped = {**weights(model, 4), "lm_head.weight": torch.zeros(3, 5)}
+            result = trainer.publish(reshaped, 4)[server.url]
+            assert "'lm_head.weight': got torch.float32 (3, 5)" in str(result)
 
             assert server.server.receiver.digest() == served, "refused versions must not touch the weights"
-            assert get(server.url, "/get_weight_version") == {"weight_version": "1"}
-            assert get(server.url, "/get_server_info")["paused"] is False, "a failed update resumes generation"
+            assert live_version(server.url) == "1"
+            assert call(server.url, "GET", "/ready") == (200, None), "a failed update resumes generation"
+            assert not server.server.sglang.session_open
 
-            fresh = weights(model, 4)
-            assert trainer.publish(fresh, 4) == {server.url: 4}
-            assert server.server.receiver.digest() == (4, digest(fresh))
+            mixed = weights(model, 5)
+            assert trainer.publish(mixed, 5, bucket_bytes=64 * 1024, single_dtype=False) == {server.url: 5}
+            assert server.server.receiver.digest() == (5, digest(mixed))
         finally:
             trainer.close()

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 Phase = Literal["begin", "update", "end", "abort"]
 
 
+class UnsupportedServer(ServerError):
+    """The server runs a setup its engine client can never sync (SGLang with data-parallel replicas,
+    say): a configuration to change, not a fault to wait out. Raised by ``world_size``; ``connect``
+    raises it instead of starting without that server."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """``n`` completions of one prompt and the weight version that generated them."""
@@ -102,8 +108,11 @@ class EngineClient(ABC):
 
     async def abort(self, version: int) -> None:
         """Undo what ``begin`` left open (generation paused, an update session) after ``begin``,
-        ``update`` or ``end`` failed. Idempotent, and never raises: a failure here is logged, as the
-        version's failure is already being reported. Engines with nothing to undo keep this default."""
+        ``update`` or ``end`` failed. A server that will not take part in the rest of the version's
+        broadcasts (it refused before receiving) must also make them fail rather than wait, e.g. by
+        leaving the group: the trainer is broadcasting while this runs and would otherwise wait for
+        ``collective_s``. Idempotent, and never raises: a failure here is logged, as the version's
+        failure is already being reported. Engines with nothing to undo keep this default."""
 
     def calls(self, phase: Phase, buckets: int) -> int:
         """The most HTTP calls ``phase`` makes for a version of ``buckets`` buckets: the phase's

@@ -1,18 +1,35 @@
-"""Client of SGLang's HTTP weight-update API (``python -m sglang.launch_server``).
+"""Client of SGLang's HTTP weight-update API (``python -m sglang.launch_server``), SGLang 0.5.20-0.5.23.
 
-One version, as SGLang expects it::
+Written to SGLang's own source (the 0.5.20-0.5.23 wheels; see docs/engines/sglang.md). Per trainer
+session and epoch::
+
+    GET  /server_info                            tp_size ranks; data-parallel replicas and pipeline
+                                                 stages are refused (UnsupportedServer)
+    POST /destroy_weights_update_group           the previous epoch's group, if this client made one
+    POST /init_weights_update_group              group "<group_name>.<session>.<epoch>": unique per
+                                                 trainer session, so a restarted trainer never meets
+                                                 a name SGLang (torch) still holds
+
+One version::
 
     POST /pause_generation {"mode": "retract"}       policy ``pause``: running requests go back to
                                                      the queue and are recomputed after the update
-    POST /begin_weight_update {}                     SGLang >= 0.5.21; older servers answer 404 and
-                                                     are updated without a session
+    POST /begin_weight_update {}                     SGLang >= 0.5.21 (404 on 0.5.20: no session)
     POST /update_weights_from_distributed  x buckets  one flattened bucket each, posted in order while
                                                      the trainer broadcasts; the last one carries
                                                      weight_version and flush_cache (policy
                                                      ``reset_prefix_cache``)
     POST /end_weight_update {}
     POST /continue_generation {}
-    GET  /get_weight_version                         the live version
+    GET  /model_info                                 ``weight_version``: the live version
+
+A refused bucket either took part in its broadcast (the model's loader refused it afterwards: the
+rest of the version is still posted, so the trainer's broadcasts stay matched) or did not (no
+session, unknown group, a layout SGLang rejects, anything unrecognised): then nothing more is
+posted, and ``abort`` destroys the server's group. Its side of the group closes, so the trainer's
+pending broadcast fails at once instead of waiting ``collective_s``, the data plane of the version
+counts as broken and the next epoch forms a fresh group (``transport.send``). The same happens when
+``begin`` fails: the server will not receive the version.
 
 SGLang joins the trainer's group without a warm-up broadcast and knows nothing of asyncsync's
 checksum manifest, so its servers get a group of their own (``SGLANG_PROTOCOL``). It also applies
@@ -23,18 +40,45 @@ without advancing the version (send a full version again).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from asyncsync.config import ServerConfig
+from asyncsync.engines.base import (
+    DataPlaneProtocol, EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version,
+)
+from asyncsync.protocol.sglang import (
+    SESSION_OPEN, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup, EndWeightUpdate,
+    InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDistributed, consumed,
+)
+from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
-from asyncsync.protocol.wire import GroupSpec
-from asyncsync.engines.base import DataPlaneProtocol, EngineClient, Generation, Phase, parse_weight_version
-from asyncsync.protocol.sglang import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
-from asyncsync.protocol.wire import UpdateRequest
 
 log = logging.getLogger(__name__)
 
 SGLANG_PROTOCOL = DataPlaneProtocol("sglang", warmup=False, checksum_manifest=False, single_dtype_buckets=True)
 PAUSE_MODE = "retract"  # unlike "in_place", lets SGLang flush its cache while requests are paused
+CLOSE_TIMEOUT_S = 5.0   # destroying the group on close is a courtesy: a server that does not answer is left be
+
+
+def data_plane_ranks(url: str, info: dict[str, Any]) -> int:
+    """The ranks an SGLang server adds to the group, from ``/server_info``; ``UnsupportedServer`` for
+    setups whose ranks SGLang cannot place in it.
+
+    Every TP rank joins as ``rank_offset + tp_rank`` (attention data parallelism included: its
+    groups split the same ``tp_size`` ranks). SGLang asserts ``dp_size == 1`` for every weight-group
+    route (an HTTP 500): from 0.5.22 ``dp_size`` counts only replicas (attention DP is
+    ``attn_dp_size``); in 0.5.20-0.5.21 it also counts attention-DP groups, which pass the assertion
+    when ``enable_dp_attention`` is set. Pipeline stages would reuse the same ranks."""
+    dp, pp = int(info.get("dp_size", 1)), int(info.get("pp_size", 1))
+    attention_dp = "attn_dp_size" not in info and bool(info.get("enable_dp_attention", False))  # SGLang < 0.5.22
+    if dp != 1 and not attention_dp:
+        raise UnsupportedServer(url, f"runs dp_size={dp} data-parallel replicas; SGLang refuses weight updates from "
+                                     "distributed unless dp_size == 1 (attention data parallelism is fine): run one "
+                                     "SGLang server per replica and list each under servers")
+    if pp != 1:
+        raise UnsupportedServer(url, f"runs pp_size={pp} pipeline stages, whose ranks SGLang would all number "
+                                     "rank_offset + tp_rank in the weight-update group: use pp_size 1")
+    return int(info["tp_size"])
 
 
 class SglangEngine(EngineClient):
@@ -44,61 +88,69 @@ class SglangEngine(EngineClient):
 
     def __init__(self, server: ServerConfig, timeout_s: float):
         super().__init__(server, timeout_s)
-        self._group_name: str | None = None
-        self._sessions: bool | None = None  # does the server have begin/end_weight_update? Learnt once.
+        self._group_name: str | None = None  # the server's group this client made and has not destroyed
+        self._sessions: bool | None = None   # does the server have begin/end_weight_update? Learnt once.
         self._paused = False
         self._in_session = False
+        self._owes_receives = False          # the trainer may still broadcast this version to the server
 
     async def world_size(self) -> int:
-        info = await self.http.get("/get_server_info")
-        if info.get("dp_size", 1) > 1 and not info.get("enable_dp_attention", False):
-            raise ServerError(self.url, f"runs {info['dp_size']} data-parallel replicas, whose ranks would clash "
-                                        "in the weight-update group: run one SGLang server per replica")
-        return int(info["tp_size"])
+        return data_plane_ranks(self.url, await self.http.get("/server_info"))
 
     async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
+        if self._group_name is not None:
+            await self._destroy_group()  # the previous epoch's group would otherwise live on in the server
         await self._post_checked("/init_weights_update_group", InitWeightsUpdateGroup.of(spec, rank_offset).to_json())
         self._group_name = spec.group_name
 
     async def begin(self, version: int) -> None:
+        self._owes_receives = True
         if self.server.pause:
             self._paused = True  # set first: a pause whose answer was lost may still have happened
-            await self._post_checked("/pause_generation", {"mode": PAUSE_MODE}, idempotent=True)
+            await self._post_checked("/pause_generation", PauseGeneration(PAUSE_MODE).to_json(), idempotent=True)
         if self._sessions is not False:
             await self._begin_session()
 
     async def _begin_session(self) -> None:
         self._in_session = True  # set first: a session whose answer was lost may still be open
         try:
-            await self._post_checked("/begin_weight_update", {})
+            await self._post_checked("/begin_weight_update", BeginWeightUpdate().to_json())
         except ServerError as e:
-            if e.status != 404:
+            if e.status == 404:
+                self._in_session = False
+                log.info("%s has no /begin_weight_update (SGLang < 0.5.21): updating without a session", self.url)
+                self._sessions = False
+                return
+            if e.status != 400 or SESSION_OPEN not in str(e.detail):
                 raise
-            self._in_session = False
-            log.info("%s has no /begin_weight_update (SGLang < 0.5.21): updating without a session", self.url)
-            self._sessions = False
-            return
+            # A session nobody closed: a trainer killed mid-version, or an end whose answer was lost.
+            log.warning("%s: closing an update session left open, then opening this version's", self.url)
+            await self._post_checked("/end_weight_update", EndWeightUpdate().to_json())
+            await self._post_checked("/begin_weight_update", BeginWeightUpdate().to_json())
         self._sessions = True
 
     async def update(self, request: UpdateRequest) -> None:
-        """Post every bucket in order. A bucket SGLang refuses (HTTP 400) was still received, so the
-        rest are posted too, keeping the trainer's broadcasts matched; the version then stays put."""
+        """Post every bucket in order. A bucket refused after its broadcast leaves the rest to post
+        (the version then stays put); one refused before it stops the version for this server, and
+        ``abort`` takes the server out of the group (see the module docstring)."""
         if self._group_name is None:
-            raise ServerError(self.url, "update before init_group: the weight-update group is not set up")
+            raise ServerError(self.url, "has no weight-update group of this trainer (it left it after a refusal, or "
+                                        "init_group failed); the next epoch makes one", status=400)
         refused: list[str] = []
         last = len(request.buckets) - 1
         for i, meta in enumerate(request.buckets):
             final = i == last and not refused
-            body = UpdateWeightsFromDistributed(
+            body = UpdateWeightsFromDistributed.of(
                 meta, self._group_name, flush_cache=final and self.server.reset_prefix_cache,
                 weight_version=str(request.version) if final else None,
             )
             try:
                 await self._post_checked("/update_weights_from_distributed", body.to_json())
             except ServerError as e:
-                if e.status != 400:
-                    raise
+                if e.status is None or not (self._sessions and consumed(str(e.detail))):
+                    raise  # this and the later broadcasts have no receiver here: abort leaves the group
                 refused.append(f"bucket {i}: {e}")
+        self._owes_receives = False
         if refused:
             raise ServerError(self.url, f"version {request.version} not applied, {len(refused)} of "
                                         f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}", status=400)
@@ -108,25 +160,44 @@ class SglangEngine(EngineClient):
         return await self.version()
 
     async def abort(self, version: int) -> None:
+        if self._owes_receives:  # first: the trainer may be waiting in a broadcast for this server
+            self._owes_receives = False
+            await self._destroy_group()
         await self.best_effort(self._release(), "close the update session or resume generation")
 
     def calls(self, phase: Phase, buckets: int) -> int:
         pause = int(self.server.pause)
-        return {"begin": 1 + pause, "update": buckets, "end": 2 + pause, "abort": 1 + pause}[phase]
+        # begin: pause, begin (+ end and begin again for a session left open); end: end, continue,
+        # model_info; abort: destroy_weights_update_group, end, continue
+        return {"begin": 3 + pause, "update": buckets, "end": 2 + pause, "abort": 2 + pause}[phase]
 
     async def _release(self) -> None:
         """Close the update session and resume generation, whichever of them ``begin`` opened."""
         try:
             if self._in_session:
                 self._in_session = False
-                await self._post_checked("/end_weight_update", {})
+                await self._post_checked("/end_weight_update", EndWeightUpdate().to_json())
         finally:
             if self._paused:
                 self._paused = False
-                await self._post_checked("/continue_generation", {}, idempotent=True)
+                await self._post_checked("/continue_generation", ContinueGeneration().to_json(), idempotent=True)
+
+    async def _destroy_group(self, timeout_s: float | None = None) -> None:
+        """Destroy the server's side of this client's group (local to the server). Never raises: a
+        server that restarted no longer has it, and one that does not answer is being evicted."""
+        name, self._group_name = self._group_name, None
+        if name is None:
+            return
+        try:
+            await self._post_checked("/destroy_weights_update_group", DestroyWeightsUpdateGroup(name).to_json(),
+                                     timeout_s=timeout_s)
+        except ServerError as e:
+            log.info("%s: group %s not destroyed: %s", self.url, name, e)
 
     async def version(self) -> int:
-        return parse_weight_version(self.url, (await self.http.get("/get_weight_version"))["weight_version"])
+        """The live version: ``/model_info``'s ``weight_version`` (``/server_info`` has the start-up
+        one; ``/get_weight_version`` is gone from SGLang 0.5.21 and deprecated in 0.5.20)."""
+        return parse_weight_version(self.url, (await self.http.get("/model_info"))["weight_version"])
 
     async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
         """SGLang's native ``/generate`` with token ids, ``n`` copies of the prompt in one batch. The
@@ -142,9 +213,17 @@ class SglangEngine(EngineClient):
         versions = [parse_weight_version(self.url, o.get("meta_info", {}).get("weight_version", before)) for o in outputs]
         return Generation([o["output_ids"] for o in outputs], min(versions))
 
-    async def _post_checked(self, path: str, body: dict[str, object], idempotent: bool = False) -> object:
+    async def close(self) -> None:
+        try:
+            await self._destroy_group(timeout_s=CLOSE_TIMEOUT_S)
+        finally:
+            await super().close()
+
+    async def _post_checked(self, path: str, body: dict[str, object], idempotent: bool = False,
+                            timeout_s: float | None = None) -> object:
         """POST, treating SGLang's ``{"success": false}`` as the failure it is, whatever the status."""
-        answer = await self.http.post(path, body, idempotent=idempotent)
+        answer = await self.http.post(path, body, timeout_s, idempotent=idempotent)
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise ServerError(self.url, f"POST {path} -> {answer.get('message', answer)}", 400)
+            detail = answer.get("message", answer)
+            raise ServerError(self.url, f"POST {path} -> {detail}", 400, detail=detail)
         return answer

@@ -1,29 +1,181 @@
 """SGLang's weight-update messages, shared by the SGLang client and the reference server's SGLang API.
 
-Field names and defaults are SGLang's own (``io_struct.py``: ``InitWeightsUpdateGroupReqInput`` and
-``UpdateWeightsFromDistributedReqInput``). One ``/update_weights_from_distributed`` request carries
-one bucket; with ``load_format="flattened_bucket"`` its tensors travel as one broadcast, laid out in
-request order with no padding, exactly like an asyncsync bucket. Before sgl-project/sglang#13413
-(November 2025) SGLang read a flattened bucket as a single dtype, so asyncsync's buckets for SGLang
-hold one dtype each, and the reference server refuses mixed ones.
+Everything here follows SGLang 0.5.23's own source (``SGLANG_RELEASE``; unchanged in 0.5.21-0.5.22
+unless noted): the request structs of ``sglang/srt/managers/io_struct.py``, how SGLang's HTTP layer
+validates them, ``FlattenedTensorBucket.empty`` (``sglang/srt/weight_sync/tensor_bucket.py``) and the
+answers of the scheduler's weight updater (``sglang/srt/managers/scheduler_components/weight_updater.py``).
+
+* Each message mirrors one struct field for field (names, types, defaults). ``from_json`` validates a
+  body as SGLang's HTTP layer does (pydantic in lax mode: ``"2"`` is the integer 2, unknown keys are
+  ignored, a body is required even when every field has a default); what it refuses is
+  ``RequestInvalid``, which SGLang answers with HTTP 400 before the request reaches the scheduler.
+* One ``/update_weights_from_distributed`` request carries one bucket. With
+  ``load_format="flattened_bucket"`` its tensors travel as one uint8 broadcast laid out in request
+  order with no padding, each offset a multiple of its item size: exactly an asyncsync bucket.
+  ``UpdateWeightsFromDistributed.flattened_nbytes`` makes SGLang 0.5.23's checks of that layout, with
+  its messages; SGLang runs them before it receives anything.
+* ``consumed`` reads an answer's message: did SGLang take part in that request's broadcast before it
+  refused? A refusal before the receive leaves the trainer's broadcast without this receiver.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar, Literal, TypeVar
 
-from asyncsync.protocol.specs import TensorSpec, dtype_from_name
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError, _field
+import torch
 
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError
+
+SGLANG_RELEASE = "0.5.23"
 DEFAULT_GROUP_NAME = "weight_update_group"
 FLATTENED_BUCKET = "flattened_bucket"
 
+# The scheduler's answers (``scheduler_components/weight_updater.py`` and the model runner's
+# ``weight_updater.py``); several ranks' answers are joined with " | " (attention data parallelism).
+NO_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_TO_END = "no weight-update session is open; call begin_weight_update() first"
+RECEIVE_FAILED = "Failed to receive weights: "            # before or during the broadcast
+LOAD_FAILED = "Failed to update parameter online: "       # after it: the model refused the tensors
+FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"  # after it (0.5.22+)
+UPDATED = "Succeeded to update parameter online."
+GROUP_CREATED = "Succeeded to initialize custom process group."
+GROUP_DESTROYED = "Succeeded to destroy custom process group."
+NO_GROUP_TO_DESTROY = "The group to be destroyed does not exist."
+ANSWERS_AFTER_RECEIVE = (LOAD_FAILED, FLUSH_REFUSED)
+
+
+def consumed(message: str) -> bool:
+    """Whether a refused ``/update_weights_from_distributed`` took part in its broadcast first.
+
+    True only for the answers SGLang (0.5.21+) gives after the bucket arrived: the model's loader
+    refused it, or the cache could not be flushed. Every other refusal (no session, an unknown
+    group, a bucket layout ``FlattenedTensorBucket.empty`` rejects, a failed receive, a body that fails
+    validation, and anything not recognised) may have left the broadcast without this receiver."""
+    parts = [p.strip() for p in message.split(" | ")]
+    return bool(parts) and all(p.startswith(ANSWERS_AFTER_RECEIVE) for p in parts)
+
+
+def load_failure(reason: object) -> str:
+    """SGLang's answer when the model refuses received tensors (``load_weights_from_distributed``)."""
+    return (f"{LOAD_FAILED}{reason}. The full weights of the ModelRunner are partially updated. "
+            "Please discard the whole weights.")
+
+
+def group_missing(group_name: str, known: list[str]) -> str:
+    """What SGLang's receive asserts when the request names a group it does not have."""
+    return f"Group {group_name} not in {known}. Please call `init_weights_update_group` first."
+
+
+# -- validation as SGLang's HTTP layer does it ----------------------------------------------------
+
+class RequestInvalid(WireError):
+    """A body SGLang's request schema refuses: answered 400 ``{"object": "error", ...}`` before the
+    scheduler sees it. ``errors`` lists each problem as pydantic reports it."""
+
+    def __init__(self, errors: list[dict[str, Any]]):
+        n = len(errors)
+        super().__init__(f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {e}" for e in errors))
+        self.errors = errors
+
+
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+_Missing = object()
+R = TypeVar("R", bound="SglangRequest")
+
+
+def _lax(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
+    """``value`` as pydantic's lax mode reads it for a field of type ``tp``; problems go to ``errors``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+
+    def bad(kind: str, msg: str) -> None:
+        errors.append({"type": kind, "loc": loc, "msg": msg, "input": value})
+
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _lax(inner, value, loc, errors)
+    if origin is Literal:
+        if value not in args:
+            bad("literal_error", "Input should be " + " or ".join(", ".join(repr(a) for a in args).rsplit(", ", 1)))
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            bad("list_type", "Input should be a valid list")
+            return value
+        return tuple(_lax(args[0], v, (*loc, i), errors) for i, v in enumerate(value))
+    if tp is str:
+        if not isinstance(value, str):
+            bad("string_type", "Input should be a valid string")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        bad("bool_parsing", "Input should be a valid boolean")
+        return value
+    if tp is int:
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        bad("int_parsing", "Input should be a valid integer")
+        return value
+    raise TypeError(f"no lax validator for {tp!r}")  # a message type this module does not know
+
 
 @dataclass(frozen=True)
-class InitWeightsUpdateGroup:
-    """Body of ``POST /init_weights_update_group``: join the trainer's group as ranks ``rank_offset`` on."""
+class SglangRequest:
+    """A request body of SGLang's HTTP API: fields, types and defaults are those of the struct named
+    ``STRUCT`` in SGLang's ``io_struct.py``; ``from_json`` validates as SGLang does."""
 
+    STRUCT: ClassVar[str] = ""
+
+    @classmethod
+    def from_json(cls: type[R], data: Any) -> R:
+        """Validate a decoded JSON body; raise ``RequestInvalid`` where SGLang answers 400."""
+        if data is None:
+            raise RequestInvalid([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+        if not isinstance(data, dict):
+            raise RequestInvalid([{"type": "dict_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
+                                   "input": data}])
+        hints = typing.get_type_hints(cls)
+        errors: list[dict[str, Any]] = []
+        values = {}
+        for f in fields(cls):
+            value = data.get(f.name, _Missing)
+            if value is _Missing:
+                if f.default is MISSING:
+                    errors.append({"type": "missing", "loc": ("body", f.name), "msg": "Field required", "input": data})
+                continue
+            values[f.name] = _lax(hints[f.name], value, ("body", f.name), errors)
+        if errors:
+            raise RequestInvalid(errors)
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroup(SglangRequest):
+    """``POST /init_weights_update_group``: the server's ranks join the trainer's group as ranks
+    ``rank_offset`` + tp_rank. SGLang checks nothing more before the rendezvous."""
+
+    STRUCT = "InitWeightsUpdateGroupReqInput"
     master_address: str
     master_port: int
     rank_offset: int
@@ -35,80 +187,99 @@ class InitWeightsUpdateGroup:
     def of(cls, spec: GroupSpec, rank_offset: int) -> InitWeightsUpdateGroup:
         return cls(spec.host, spec.port, rank_offset, spec.world_size, spec.group_name, spec.backend)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> InitWeightsUpdateGroup:
-        w = "init_weights_update_group"
-        msg = cls(
-            _field(data, "master_address", str, w), _field(data, "master_port", int, w),
-            _field(data, "rank_offset", int, w), _field(data, "world_size", int, w),
-            data.get("group_name", DEFAULT_GROUP_NAME), data.get("backend", "nccl"),
-        )
-        if not 0 < msg.master_port < 65536:
-            raise WireError(f"{w}.master_port: {msg.master_port} is not a port number")
-        if not 1 <= msg.rank_offset < msg.world_size:
-            raise WireError(f"{w}.rank_offset: must be in [1, world_size={msg.world_size}), got {msg.rank_offset}")
-        if msg.backend not in ("gloo", "nccl"):
-            raise WireError(f"{w}.backend: expected 'gloo' or 'nccl', got {msg.backend!r}")
-        if not isinstance(msg.group_name, str) or not msg.group_name:
-            raise WireError(f"{w}.group_name: expected a non-empty string, got {msg.group_name!r}")
-        return msg
-
     def spec(self, timeout_s: float) -> GroupSpec:
+        """The group to join; raises ``WireError`` for values no group can have."""
+        if not 1 <= self.rank_offset < self.world_size:
+            raise WireError(f"rank_offset must be in [1, world_size={self.world_size}), got {self.rank_offset}")
         return GroupSpec(self.master_address, self.master_port, self.world_size, self.group_name, self.backend, timeout_s)
 
 
 @dataclass(frozen=True)
-class UpdateWeightsFromDistributed:
-    """Body of ``POST /update_weights_from_distributed``: one bucket, broadcast right after it is posted.
+class DestroyWeightsUpdateGroup(SglangRequest):
+    """``POST /destroy_weights_update_group``: drop one group (local to the server, not collective)."""
 
-    On the wire the bucket is SGLang's ``names``, ``dtypes`` and ``shapes`` fields. ``weight_version``
-    goes with a version's last bucket only: SGLang adopts it as soon as that request succeeds.
-    ``flush_cache`` (drop the radix cache) is wanted once per version, on that same last bucket.
-    """
-
-    bucket: BucketMeta
+    STRUCT = "DestroyWeightsUpdateGroupReqInput"
     group_name: str = DEFAULT_GROUP_NAME
-    load_format: str | None = FLATTENED_BUCKET
+
+
+@dataclass(frozen=True)
+class BeginWeightUpdate(SglangRequest):
+    """``POST /begin_weight_update`` (SGLang 0.5.21+): open the session updates must run in."""
+
+    STRUCT = "BeginWeightUpdateReqInput"
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass(frozen=True)
+class EndWeightUpdate(SglangRequest):
+    """``POST /end_weight_update`` (SGLang 0.5.21+): close the session; the body is ``{}``."""
+
+    STRUCT = "EndWeightUpdateReqInput"
+
+
+@dataclass(frozen=True)
+class PauseGeneration(SglangRequest):
+    """``POST /pause_generation``: ``retract`` puts running requests back in the queue."""
+
+    STRUCT = "PauseGenerationReqInput"
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+@dataclass(frozen=True)
+class ContinueGeneration(SglangRequest):
+    """``POST /continue_generation``: resume what ``/pause_generation`` stopped."""
+
+    STRUCT = "ContinueGenerationReqInput"
+    torch_empty_cache: bool = True
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributed(SglangRequest):
+    """``POST /update_weights_from_distributed``: one bucket, broadcast by the trainer right after the
+    request is posted. ``weight_version`` goes with a version's last bucket only (SGLang adopts it
+    when that request succeeds), and so does ``flush_cache`` (drop the radix cache once per version).
+
+    The layout may be anything the schema admits: SGLang judges it when it receives
+    (``flattened_nbytes``), and so does the reference server."""
+
+    STRUCT = "UpdateWeightsFromDistributedReqInput"
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]          # attribute names of torch: "bfloat16", never "torch.bfloat16"
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = DEFAULT_GROUP_NAME
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        b = self.bucket
-        return {
-            "names": list(b.names), "dtypes": list(b.dtypes), "shapes": [list(s) for s in b.shapes],
-            "group_name": self.group_name, "load_format": self.load_format, "flush_cache": self.flush_cache,
-            "abort_all_requests": self.abort_all_requests, "weight_version": self.weight_version,
-        }
+    load_format: str | None = None   # None: one broadcast per tensor; "flattened_bucket": one per bucket
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
 
     @classmethod
-    def from_json(cls, data: Any) -> UpdateWeightsFromDistributed:
-        w = "update_weights_from_distributed"
-        names, dtypes, shapes = (_field(data, k, list, w) for k in ("names", "dtypes", "shapes"))
-        version = data.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise WireError(f"{w}.weight_version: expected a string or null, got {type(version).__name__}")
-        for key, default in (("flush_cache", True), ("abort_all_requests", False)):
-            if not isinstance(data.get(key, default), bool):
-                raise WireError(f"{w}.{key}: expected true or false, got {data[key]!r}")
-        bucket = BucketMeta.from_json({"names": names, "dtypes": dtypes, "shapes": shapes, "nbytes": _nbytes(dtypes, shapes)}, w)
-        return cls(
-            bucket, data.get("group_name", DEFAULT_GROUP_NAME), data.get("load_format"),
-            data.get("flush_cache", True), data.get("abort_all_requests", False), version,
-        )
+    def of(cls, bucket: BucketMeta, group_name: str, flush_cache: bool, weight_version: str | None) -> UpdateWeightsFromDistributed:
+        """A bucket of asyncsync's, sent as one flattened broadcast."""
+        return cls(bucket.names, bucket.dtypes, bucket.shapes, group_name, flush_cache, False, weight_version, FLATTENED_BUCKET)
 
+    def flattened_nbytes(self) -> int:
+        """Bytes of the flattened broadcast, with the checks and messages of SGLang 0.5.23's
+        ``FlattenedTensorBucket.empty``: equal list lengths, dtypes that are torch attributes, no
+        negative dimension, every offset a multiple of its item size, at least one tensor."""
+        offset, count = 0, 0
+        for name, dtype_name, shape in zip(self.names, self.dtypes, self.shapes, strict=True):
+            dtype = getattr(torch, dtype_name)
+            size = torch.Size(shape)
+            if any(dim < 0 for dim in size):
+                raise ValueError(f"Negative dimension in received tensor {name}: {size}")
+            if offset % dtype.itemsize:
+                raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+            offset += size.numel() * dtype.itemsize
+            count += 1
+        if not count:
+            raise ValueError("Cannot create empty tensor bucket")
+        return offset
 
-def _nbytes(dtypes: list[Any], shapes: list[Any]) -> int:
-    """Bytes of a flattened bucket. SGLang's request carries no byte count; entries that are not a
-    dtype name and a shape add nothing here and are then reported by ``BucketMeta.from_json``."""
-    total = 0
-    for d, s in zip(dtypes, shapes):
-        if isinstance(d, str) and isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s):
-            try:
-                total += TensorSpec("", dtype_from_name(d), tuple(s)).nbytes
-            except ValueError:
-                continue
-    return total
+    def bucket(self) -> BucketMeta:
+        """The bucket as asyncsync reads it; raises ``WireError`` when asyncsync cannot represent it
+        (a dtype outside its table). Call ``flattened_nbytes`` first: SGLang's checks come first."""
+        data = {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes],
+                "nbytes": self.flattened_nbytes()}
+        return BucketMeta.from_json(data, "update_weights_from_distributed")

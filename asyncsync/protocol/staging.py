@@ -147,14 +147,15 @@ class BucketStager:
 
     # -- one bucket per request -----------------------------------------------------------------
 
-    def receive_bucket(self, meta: BucketMeta) -> None:
-        """Receive the next bucket of the version being assembled (one broadcast, no checksum);
-        raise ``VersionRejected`` after it if it cannot belong to a valid version.
+    def receive_bucket(self, meta: BucketMeta, group: DataPlaneGroup | None = None) -> None:
+        """Receive the next bucket of the version being assembled (one broadcast, no checksum) on
+        ``group`` (default: the one joined); raise ``VersionRejected`` after it if it cannot belong
+        to a valid version.
 
         Names are unique within a version, so a bucket repeating a name already received starts a
         new version: the one being assembled was abandoned (a trainer that stopped half-way).
         """
-        group = self._require_group()
+        group = group or self._require_group()
         received = {s.name for _, _, b in self._partial for s in b.specs}
         if received.intersection(meta.names):
             log.warning("discarding an unfinished version of %d bucket(s): a new one started", len(self._partial))
@@ -193,7 +194,6 @@ class BucketStager:
     # -- shared ---------------------------------------------------------------------------------
 
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
-        self._require_group()
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
 
     def _check_specs(self, specs: Iterable[TensorSpec], seen: set[str]) -> list[str]:

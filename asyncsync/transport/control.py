@@ -35,11 +35,13 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error or not at all; the message names the server and the call."""
+    """A server answered with an error or not at all; the message names the server and the call.
+    ``detail`` is the server's own message from its answer's body, when it had one."""
 
-    def __init__(self, url: str, message: str, status: int | None = None, timed_out: bool = False):
+    def __init__(self, url: str, message: str, status: int | None = None, timed_out: bool = False,
+                 detail: Any = None):
         super().__init__(f"{url}: {message}")
-        self.url, self.status, self.timed_out = url, status, timed_out
+        self.url, self.status, self.timed_out, self.detail = url, status, timed_out, detail
 
     @property
     def transient(self) -> bool:
@@ -142,7 +144,8 @@ class HttpClient:
             ) as resp:
                 data = _decode(await resp.text())
                 if resp.status >= 400:
-                    raise ServerError(self.base_url, f"{where} -> HTTP {resp.status}: {_detail(data)}", resp.status)
+                    detail = _detail(data)
+                    raise ServerError(self.base_url, f"{where} -> HTTP {resp.status}: {detail}", resp.status, detail=detail)
                 return data
         except asyncio.TimeoutError:
             raise ServerError(self.base_url, f"{where} got no answer within {timeout_s:.1f}s", timed_out=True) from None

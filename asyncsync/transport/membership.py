@@ -7,9 +7,10 @@ Lifecycle (``transport.send.send_version`` is what moves a version through it)::
         result = send_version(members, version, plan, source)        # readmits, evicts and rebuilds as needed
     members.close()
 
-An epoch is one set of data-plane groups over one set of servers (group name ``<group_name>.<epoch>``,
-fresh ports after the first). A new epoch starts whenever a server is evicted, a collective fails, or
-an evicted server answers again. Servers that are out are probed at most every ``readmit_interval_s``;
+An epoch is one set of data-plane groups over one set of servers (group name
+``<group_name>.<session>.<epoch>``, ``session`` random per ``Membership`` so that a restarted trainer
+never reuses a name a server still holds; fresh ports after the first epoch). A new epoch starts
+whenever a server is evicted, a collective fails, or an evicted server answers again. Servers that are out are probed at most every ``readmit_interval_s``;
 one that answers rejoins and gets the next full version (every version is sent whole).
 """
 
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.engines import make_engine
-from asyncsync.engines.base import EngineClient
+from asyncsync.engines.base import EngineClient, UnsupportedServer
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.trainer.metrics import SyncMetrics
@@ -50,15 +52,17 @@ class Membership:
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
+        self.session = secrets.token_hex(4)  # in every group name: unique to this trainer session
         self._next_probe = 0.0
 
     @classmethod
     def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime) -> Membership:
-        """Form the first groups; servers that do not answer start evicted. Raises ``SyncError`` only
-        when no server at all could join (and then leaves nothing open)."""
+        """Form the first groups; servers that do not answer start evicted. Raises ``SyncError`` when
+        no server at all could join, ``UnsupportedServer`` when one runs a setup its client can never
+        sync (both leave nothing open)."""
         members = cls(config, control, metrics, runtime)
         try:
-            members.form(members.engines)
+            members.form(members.engines, refuse_unsupported=True)
             if not members.members:
                 raise SyncError("no server could join the data plane: " + "; ".join(members.evicted.values()))
         except BaseException:
@@ -91,16 +95,21 @@ class Membership:
 
     # -- epochs ---------------------------------------------------------------------------------
 
-    def form(self, candidates: list[EngineClient]) -> None:
-        """(Re)build the groups over the candidates that answer, in config order; evict the others."""
+    def form(self, candidates: list[EngineClient], refuse_unsupported: bool = False) -> None:
+        """(Re)build the groups over the candidates that answer, in config order; evict the others
+        (with ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join)."""
         self.drop_group()
         cfg = self.config
         sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
+        if refuse_unsupported and unsupported:
+            raise unsupported[0]
         alive = self._drop_unreachable(candidates, sizes)
         while alive:
             self.epoch += 1
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
-            epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.epoch}", master_port=cfg.master_port if self.epoch == 1 else 0)
+            epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.session}.{self.epoch}",
+                                    master_port=cfg.master_port if self.epoch == 1 else 0)
             layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime)
             joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
             try:

@@ -14,8 +14,8 @@ Routes (JSON in and out)::
     POST /update            UpdateRequest; answered once every bucket is received and verified
     POST /end               {"version": v} -> {"version": v}   swaps the staged version in
 
-It also speaks SGLang's weight-update API (``asyncsync.receivers.reference.sglang_api``), so a config may address
-it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang < 0.5.21.
+It also speaks SGLang 0.5.23's weight-update API (``asyncsync.receivers.reference.sglang_api``), so a config may
+address it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang 0.5.20 (no update sessions).
 
 Data-plane work runs on one dedicated thread and generation on another, so the server keeps
 generating with the old weights while a new version streams in.
@@ -42,7 +42,7 @@ from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest, VersionRequest, WireError
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
-from asyncsync.receivers.reference.sglang_api import SglangApi
+from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.transport.control import new_event_loop
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,12 @@ class ReferenceServer:
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA).
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=self.receiver.runtime.enter_thread)
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
-        self.sglang = SglangApi(self.receiver, functools.partial(self._run, self._comm), sglang_sessions, SGLANG_GROUP_TIMEOUT_S)
+        self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S),
+                                functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth, self._delay], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._delay],
+                              client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
@@ -97,6 +99,7 @@ class ReferenceServer:
         return app
 
     async def _close(self, _app: web.Application) -> None:
+        self.sglang.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)
         self._gen.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from asyncsync.protocol.device import runtime_for
+from asyncsync.protocol.group import DataPlaneGroup
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
@@ -55,10 +56,11 @@ class WeightReceiver:
         self._staged = None
         self._staged = self.stager.receive(req, self.version)
 
-    def receive_bucket(self, meta: BucketMeta) -> None:
-        """Receive one bucket of a version sent bucket by bucket (SGLang's protocol)."""
+    def receive_bucket(self, meta: BucketMeta, group: DataPlaneGroup | None = None) -> None:
+        """Receive one bucket of a version sent bucket by bucket (SGLang's protocol), on ``group``
+        (SGLang's groups are named per request) or the one joined."""
         self._staged = None
-        self.stager.receive_bucket(meta)
+        self.stager.receive_bucket(meta, group)
 
     def discard(self) -> None:
         """Forget the buckets received since the last version (a version abandoned half-way)."""

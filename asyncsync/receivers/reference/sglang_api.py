@@ -1,157 +1,304 @@
-"""SGLang's weight-update HTTP API, spoken by the reference server so the SGLang client is tested end to end.
+"""SGLang's weight-update HTTP API, answered by the reference server as SGLang 0.5.23 answers it.
 
-Routes (SGLang's paths and JSON fields; failures answer HTTP 400 ``{"success": false, "message": ...}``)::
+Routes, methods, bodies and status codes come from SGLang 0.5.23's own source (``SGLANG_RELEASE``):
+``sglang/srt/entrypoints/http_server.py`` for the routes and answers, ``managers/io_struct.py`` for
+the request fields (``asyncsync.protocol.sglang``), ``managers/tokenizer_control_mixin.py`` for what
+the HTTP side adds, and the scheduler's and model runner's ``weight_updater.py`` for every answer
+of the weight routes (``ReceiverScheduler`` below)::
 
-    GET  /get_server_info                  {"tp_size": 1, "dp_size": 1, "weight_version": ..., "paused": ...}
-    GET  /get_weight_version               {"weight_version": "default" | "7"}
-    POST /init_weights_update_group        join the trainer's group, without a warm-up broadcast
-    POST /begin_weight_update              } only with ``sessions`` (SGLang >= 0.5.21), which then
-    POST /end_weight_update                } requires them around updates; without, both answer 404
-    POST /update_weights_from_distributed  one flattened bucket; the one carrying weight_version
-                                           completes the version, which is then swapped in whole
-    POST /pause_generation                 {"mode": "abort" | "retract" | "in_place"}: recorded only,
-    POST /continue_generation              as a whole-version swap never needs generation to stop
+    POST /init_weights_update_group        200/400 {"success", "message"}
+    POST /destroy_weights_update_group     200/400 {"success", "message"}
+    POST /begin_weight_update              200/400 {"success", "message"}   } absent (404) with
+    POST /end_weight_update                200/400 {"success", "message"}   } sessions=False (0.5.20)
+    POST /update_weights_from_distributed  200/400 {"success", "message"}; a success carrying
+                                           weight_version adds " Weight version updated to v."
+    POST /pause_generation                 200 {"message": "Generation paused successfully.", "status": "ok"}
+    POST /continue_generation              200 {"message": "Generation continued successfully.", "status": "ok"}
+    GET  /model_info, /get_model_info      200 {..., "weight_version": the live version}
+    GET  /server_info, /get_server_info    200 {the start-up arguments: tp_size, dp_size, ..., "weight_version"}
+    GET  /ready                            200, or 503 while generation is paused (empty bodies)
+    GET  /get_weight_version               404 {"detail": "Not Found"} (0.5.21+; 0.5.20 answers its
+                                           deprecation 404 {"object": "error", ...})
 
-Where SGLang would go wrong silently, this is stricter, so a nonconforming client fails here first:
-a flattened bucket must hold one dtype (SGLang before November 2025 reads it as one), and a version
-is applied only when all its tensors arrived (SGLang applies each bucket as it comes).
+A body that fails validation gets 400 ``{"object": "error", "message": ..., "type": "Bad Request",
+"param": null, "code": 400}`` (the message lists the problems as pydantic does, in its own words); an
+unknown path 404 ``{"detail": "Not Found"}`` and a wrong method 405 ``{"detail": "Method Not Allowed"}``
+(``starlette_errors``). The reference server has no data-parallel replicas, so SGLang's
+``dp_size == 1`` assertion (a 500) never fires.
+
+Where the reference server departs from SGLang, on purpose:
+
+* a version is applied whole when the bucket carrying ``weight_version`` arrives, and only then
+  (SGLang loads each bucket as it comes); a bucket refused after its broadcast is answered with
+  SGLang's load-failure message, though here the served weights are untouched;
+* only ``load_format="flattened_bucket"`` is received (the per-tensor path is refused before any
+  broadcast, with SGLang's receive-failure message), and an empty ``group_name`` is refused (SGLang's
+  scheduler process dies on it);
+* a group name the server already holds is refused before the rendezvous (SGLang refuses it with the
+  same message after the rendezvous, when torch registers the name);
+* the bearer token check and ``/health`` are the reference server's own, and ``/generate`` speaks
+  the reference server's API, not SGLang's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
+import torch
 from aiohttp import web
 
-from asyncsync.protocol.group import DataPlaneError
-from asyncsync.protocol.sglang import FLATTENED_BUCKET, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.sglang import (
+    FLATTENED_BUCKET, GROUP_CREATED, GROUP_DESTROYED, NO_GROUP_TO_DESTROY, NO_SESSION, NO_SESSION_TO_END, RECEIVE_FAILED,
+    SESSION_OPEN, SGLANG_RELEASE, UPDATED, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup,
+    EndWeightUpdate, InitWeightsUpdateGroup, PauseGeneration, RequestInvalid, SglangRequest,
+    UpdateWeightsFromDistributed, group_missing, load_failure,
+)
 from asyncsync.protocol.wire import WireError
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 RunOnCommThread = Callable[..., Awaitable[Any]]
+Q = TypeVar("Q", bound=SglangRequest)
+DEPRECATED_WEIGHT_VERSION = ("Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+                             "Please use '/model_info' instead.")
 
 
-class Refused(Exception):
-    """An SGLang request that is answered with ``success: false``."""
+class SglangScheduler(Protocol):
+    """SGLang's scheduler side of the weight routes: each call runs on the server's one scheduler
+    thread and answers ``(success, message)`` as SGLang's weight updater does. ``ReceiverScheduler``
+    is the reference server's; a test may put SGLang's own code behind the same HTTP layer."""
+
+    session_open: bool  # whether a begin_weight_update session is open
+
+    def init_weights_update_group(self, req: InitWeightsUpdateGroup) -> tuple[bool, str]: ...
+    def destroy_weights_update_group(self, req: DestroyWeightsUpdateGroup) -> tuple[bool, str]: ...
+    def begin_weight_update(self, req: BeginWeightUpdate) -> tuple[bool, str]: ...
+    def end_weight_update(self, req: EndWeightUpdate) -> tuple[bool, str]: ...
+    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributed) -> tuple[bool, str]: ...
+    def close(self) -> None: ...
+
+
+class ReceiverScheduler:
+    """SGLang 0.5.23's weight updater over the reference server's ``WeightReceiver``: the same
+    groups by name, the same session rule (``sessions=False``: none, as SGLang 0.5.20), the same
+    checks in the same order and the same answers. Whatever SGLang refuses before its receive is
+    refused here before any broadcast; everything else is refused only after the bucket arrived."""
+
+    def __init__(self, receiver: WeightReceiver, sessions: bool, group_timeout_s: float):
+        self.receiver = receiver
+        self.sessions = sessions
+        self.group_timeout_s = group_timeout_s
+        self.groups: dict[str, DataPlaneGroup] = {}
+        self.session_open = False
+
+    def init_weights_update_group(self, req: InitWeightsUpdateGroup) -> tuple[bool, str]:
+        if not req.group_name:
+            return False, "Failed to initialize custom process group: Group name cannot be empty."
+        if req.group_name in self.groups:  # torch's own check, which SGLang relies on
+            return False, ("Failed to initialize custom process group: The specified group name has already been "
+                           "created, please use a different group name.")
+        try:
+            self.groups[req.group_name] = DataPlaneGroup.join(req.spec(self.group_timeout_s), req.rank_offset,
+                                                              self.receiver.runtime, warmup=False)
+        except (WireError, DataPlaneError) as e:
+            return False, f"Failed to initialize custom process group: {e}."
+        return True, GROUP_CREATED
+
+    def destroy_weights_update_group(self, req: DestroyWeightsUpdateGroup) -> tuple[bool, str]:
+        group = self.groups.pop(req.group_name, None)
+        if group is None:
+            return False, NO_GROUP_TO_DESTROY
+        group.close()
+        return True, GROUP_DESTROYED
+
+    def begin_weight_update(self, req: BeginWeightUpdate) -> tuple[bool, str]:
+        if self.session_open:
+            return False, SESSION_OPEN
+        self.receiver.discard()
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self, req: EndWeightUpdate) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, NO_SESSION_TO_END
+        self.session_open = False
+        self.receiver.discard()  # a version whose last bucket never came is dropped
+        return True, "Success"
+
+    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributed) -> tuple[bool, str]:
+        if self.sessions and not self.session_open:
+            return False, NO_SESSION
+        group = self.groups.get(req.group_name)
+        try:  # SGLang's checks before its receive, in its order; it catches them all
+            if group is None:
+                raise AssertionError(group_missing(req.group_name, list(self.groups)))
+            if req.load_format != FLATTENED_BUCKET:
+                raise ValueError(f"load_format {req.load_format!r}: the reference server receives only "
+                                 f"'{FLATTENED_BUCKET}' buckets")
+            nbytes = req.flattened_nbytes()
+        except Exception as e:
+            return False, f"{RECEIVE_FAILED}{e}"
+        try:
+            self._receive(req, group, nbytes)
+            if req.weight_version is not None:
+                version = _int_version(req.weight_version)
+                self.receiver.seal(version)
+                self.receiver.commit(version)
+        except DataPlaneError as e:
+            return False, f"{RECEIVE_FAILED}{e}"
+        except (VersionRejected, WireError) as e:
+            return False, load_failure(e)
+        return True, UPDATED
+
+    def _receive(self, req: UpdateWeightsFromDistributed, group: DataPlaneGroup, nbytes: int) -> None:
+        """Take part in the bucket's broadcast, then judge it (``VersionRejected``/``WireError``)."""
+        try:
+            bucket = req.bucket()
+        except WireError:  # a layout SGLang receives but asyncsync cannot hold: consume it, then refuse
+            group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=group.device))
+            self.receiver.discard()
+            raise
+        self.receiver.receive_bucket(bucket, group)
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+
+
+def _int_version(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise VersionRejected(f"weight_version {value!r}: the reference server's versions are integers") from None
 
 
 class SglangApi:
-    """SGLang's routes over the reference server's receiver."""
+    """The HTTP side of SGLang's weight API (what SGLang's tokenizer manager does) over a scheduler.
 
-    def __init__(self, receiver: WeightReceiver, run_comm: RunOnCommThread, sessions: bool, group_timeout_s: float):
-        self.receiver = receiver
-        self._run_comm = run_comm  # the receiver's work runs on the server's data-plane thread
+    The live weight version is the HTTP side's, as in SGLang: set when an update carrying
+    ``weight_version`` succeeds, reported by ``/model_info``; ``/server_info`` keeps the start-up one."""
+
+    def __init__(self, scheduler: SglangScheduler, run_comm: RunOnCommThread, model_info: Mapping[str, Any],
+                 sessions: bool = True):
+        self.scheduler = scheduler
+        self._run_comm = run_comm  # scheduler work runs on the server's data-plane thread, in order
+        self.model_info = dict(model_info)
         self.sessions = sessions
-        self.group_timeout_s = group_timeout_s
+        self.weight_version = "default"
         self.paused = False
-        self._session_open = False
-        self._group_name: str | None = None
 
     @property
     def session_open(self) -> bool:
-        """Whether a ``/begin_weight_update`` session is open (operators and tests read it)."""
-        return self._session_open
+        """Whether an update session is open (tests read it; SGLang has no route for it)."""
+        return self.scheduler.session_open
 
     def routes(self) -> list[web.RouteDef]:
-        routes = [
-            web.get("/get_server_info", self.server_info), web.get("/get_weight_version", self.weight_version),
-            web.post("/init_weights_update_group", self._sglang(self.init_group)),
-            web.post("/update_weights_from_distributed", self._sglang(self.update)),
-            web.post("/pause_generation", self._sglang(self.pause)),
-            web.post("/continue_generation", self._sglang(self.resume)),
+        weight: list[tuple[str, type[SglangRequest], str]] = [
+            ("/init_weights_update_group", InitWeightsUpdateGroup, "init_weights_update_group"),
+            ("/destroy_weights_update_group", DestroyWeightsUpdateGroup, "destroy_weights_update_group"),
+            ("/update_weights_from_distributed", UpdateWeightsFromDistributed, "update_weights_from_distributed"),
         ]
         if self.sessions:
-            routes += [web.post("/begin_weight_update", self._sglang(self.begin)),
-                       web.post("/end_weight_update", self._sglang(self.end))]
+            weight += [("/begin_weight_update", BeginWeightUpdate, "begin_weight_update"),
+                       ("/end_weight_update", EndWeightUpdate, "end_weight_update")]
+        routes = [web.post(path, self._weight_route(struct, name)) for path, struct, name in weight]
+        routes += [
+            web.post("/pause_generation", self._validated(PauseGeneration, self.pause)),
+            web.post("/continue_generation", self._validated(ContinueGeneration, self.resume)),
+            web.get("/model_info", self.get_model_info), web.get("/get_model_info", self.get_model_info),
+            web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
+            web.get("/ready", self.ready),
+        ]
+        if not self.sessions:  # SGLang 0.5.20 still routes these, only to answer that they are gone
+            routes += [web.get("/get_weight_version", self.deprecated), web.get("/weight_version", self.deprecated)]
         return routes
 
-    def _sglang(self, handler: Callable[[Any], Awaitable[str]]) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """Wrap ``handler(body) -> message`` into SGLang's answer shape."""
-
+    def _validated(self, struct: type[Q], handler: Callable[[Q], Awaitable[web.Response]]) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def route(request: web.Request) -> web.Response:
             try:
-                body = await request.json() if request.can_read_body else {}
+                body = await request.json() if request.can_read_body else None
             except ValueError:
-                return _answer(False, f"{request.path}: the body is not valid JSON")
+                return _error(400, "Bad Request", "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body',), "
+                                                  "'msg': 'JSON decode error'}")
             try:
-                message = await handler(body)
-            except (Refused, WireError, VersionRejected, DataPlaneError) as e:
-                log.warning("%s refused: %s", request.path, e)
-                return _answer(False, str(e))
-            return _answer(True, message)
+                req = struct.from_json(body)
+            except RequestInvalid as e:
+                return _error(400, "Bad Request", str(e))
+            return await handler(req)
 
         return route
 
-    def _version_str(self) -> str:
-        return str(self.receiver.version) if self.receiver.version else "default"
+    def _weight_route(self, struct: type[SglangRequest], name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(req: SglangRequest) -> web.Response:
+            success, message = await self._run_comm(getattr(self.scheduler, name), req)
+            if success and isinstance(req, UpdateWeightsFromDistributed) and req.weight_version is not None:
+                self.weight_version = req.weight_version
+                message += f" Weight version updated to {req.weight_version}."
+            if not success:
+                log.warning("%s refused: %s", name, message)
+            return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+        return self._validated(struct, handle)
+
+    async def pause(self, _req: PauseGeneration) -> web.Response:
+        self.paused = True  # a whole-version swap never needs generation to stop: recorded only
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, _req: ContinueGeneration) -> web.Response:
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def get_model_info(self, _r: web.Request) -> web.Response:
+        return web.json_response({**self.model_info, "weight_version": self.weight_version})
 
     async def server_info(self, _r: web.Request) -> web.Response:
-        return web.json_response({"tp_size": 1, "dp_size": 1, "weight_version": self._version_str(), "paused": self.paused})
+        return web.json_response({"tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1,
+                                  "enable_dp_attention": False, "weight_version": "default",
+                                  "version": SGLANG_RELEASE, "frontend": "python"})
 
-    async def weight_version(self, _r: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self._version_str()})
+    async def ready(self, _r: web.Request) -> web.Response:
+        return web.Response(status=503 if self.paused else 200)
 
-    async def init_group(self, body: Any) -> str:
-        req = InitWeightsUpdateGroup.from_json(body)
-        await self._run_comm(self.receiver.join, req.spec(self.group_timeout_s), req.rank_offset, False)
-        self._group_name = req.group_name
-        return "Succeeded to initialize custom process group."
+    async def deprecated(self, _r: web.Request) -> web.Response:
+        return _error(404, "404", DEPRECATED_WEIGHT_VERSION)
 
-    async def begin(self, _body: Any) -> str:
-        if self._session_open:
-            raise Refused("begin_weight_update called while a weight-update session is already open")
-        await self._run_comm(self.receiver.discard)
-        self._session_open = True
-        return "Success"
-
-    async def end(self, _body: Any) -> str:
-        if not self._session_open:
-            raise Refused("end_weight_update called without begin_weight_update")
-        self._session_open = False
-        await self._run_comm(self.receiver.discard)
-        return "Success"
-
-    async def update(self, body: Any) -> str:
-        req = UpdateWeightsFromDistributed.from_json(body)
-        if req.load_format != FLATTENED_BUCKET:
-            raise Refused(f"load_format {req.load_format!r}: the reference server takes only '{FLATTENED_BUCKET}'")
-        if req.group_name != self._group_name:
-            raise Refused(f"group {req.group_name!r} is not initialized (have {self._group_name!r}); "
-                          "call /init_weights_update_group first")
-        if self.sessions and not self._session_open:
-            raise Refused("update_weights_from_distributed requires an open begin_weight_update session")
-        await self._run_comm(self.receiver.receive_bucket, req.bucket)
-        if len(set(req.bucket.dtypes)) > 1:
-            await self._run_comm(self.receiver.discard)
-            raise Refused(f"flattened bucket mixes dtypes {sorted(set(req.bucket.dtypes))}: SGLang releases before "
-                          "sgl-project/sglang#13413 read a flattened bucket as one dtype; send one dtype per bucket")
-        if req.weight_version is None:
-            return f"Received {len(req.bucket.names)} tensor(s)."
-        try:
-            version = int(req.weight_version)
-        except ValueError:
-            await self._run_comm(self.receiver.discard)
-            raise Refused(f"weight_version {req.weight_version!r}: the reference server's versions are integers") from None
-        await self._run_comm(self.receiver.seal, version)
-        await self._run_comm(self.receiver.commit, version)
-        return f"Succeeded to update parameter online. Weight version updated to {version}."
-
-    async def pause(self, body: Any) -> str:
-        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-        if mode not in PAUSE_MODES:
-            raise Refused(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)}")
-        self.paused = True
-        return "Generation paused successfully."
-
-    async def resume(self, _body: Any) -> str:
-        self.paused = False
-        return "Generation continued successfully."
+    def close(self) -> None:
+        self.scheduler.close()
 
 
-def _answer(success: bool, message: str) -> web.Response:
-    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+def model_info(model: torch.nn.Module, sessions: bool = True) -> dict[str, Any]:
+    """``/model_info``'s fields (SGLang 0.5.23, ``http_server.py``) for a reference server's model;
+    ``weight_version`` is added live. SGLang 0.5.20 has no ``disaggregation_mode``."""
+    config = getattr(model, "config", None)
+    info = {
+        "model_path": "asyncsync-reference", "served_model_name": "asyncsync-reference", "tokenizer_path": None,
+        "is_generation": True, "preferred_sampling_params": None, "load_format": "auto",
+        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": False, "has_audio_understanding": False,
+        "model_type": getattr(config, "model_type", None), "architectures": getattr(config, "architectures", None),
+    }
+    if not sessions:
+        del info["disaggregation_mode"]
+    return info
+
+
+@web.middleware
+async def starlette_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Unknown paths and wrong methods answered as SGLang's framework (Starlette) answers them."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    """SGLang's error body (``ErrorResponse`` in ``entrypoints/openai/protocol.py``)."""
+    return web.json_response({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                             status=status)

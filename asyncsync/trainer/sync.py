@@ -24,7 +24,7 @@ from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tens
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.control import ControlLoop
-from asyncsync.transport.membership import Membership, lowest_member_version
+from asyncsync.transport.membership import Membership, lowest_member_version, new_session
 from asyncsync.transport.send import send_version
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class WeightSync:
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
         self._errors_at_close: list[str] = []
+        self.session = new_session()  # the trainer session that owns the servers from connect() to close()
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig | Mapping[str, Any] | str | Path) -> WeightSync:
@@ -100,7 +101,7 @@ class WeightSync:
             self._control = ControlLoop()
             groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
             for group_cfg in groups:
-                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime))
+                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime, self.session))
             told = [names for m in self._members for names in m.expected_names()]
             self._reader.close()
             self._reader = WeightsReader(TiedNames.decide(model, frozenset().union(*told) if told else None))

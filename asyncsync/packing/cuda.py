@@ -87,8 +87,7 @@ class CudaPackBackend(PackBackend):
 
     def _launch(self, table: LaunchTable, out: torch.Tensor, checksum: bool) -> torch.Tensor | None:
         """One kernel launch over ``table``'s validated ranges, on the current stream of ``out``'s device."""
-        rows = table.rows
-        end = table.end
+        rows, end = table.rows, table.end
         ptrs = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
         # Pinned, so the upload does not block the host; the caching host allocator keeps the block
         # until the copy has run on this stream.
@@ -137,18 +136,19 @@ def launch_table(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: t
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         check_tensor(str(i), t)
         if t.device != out.device:
-            raise UnpackableTensor(f"tensor '{i}' is on {t.device}, out on {out.device}; move it first")
+            raise UnpackableTensor(f"tensor '{i}' is on {t.device}, out on {out.device}; move it to out's device first")
         if off < 0:
             raise ValueError(f"offset {off} of tensor {i} is negative")
         srcs.append(t.detach().contiguous())
     rows = sorted((off, t.numel() * t.element_size(), t.data_ptr(), i) for i, (t, off) in enumerate(zip(srcs, offsets)))
     end, out_lo, out_hi = 0, out.data_ptr(), out.data_ptr() + out.numel()
     for off, size, ptr, i in rows:
+        if off + size > out.numel():
+            raise ValueError(f"tensor {i} needs {size} bytes at offset {off} but out has only {out.numel()} bytes; "
+                             "allocate the buffer with at least the bucket's nbytes")
         if size > 0 and off < end:
             raise ValueError(f"tensor {i} at offset {off} overlaps the previous range ending at {end}")
         if size > 0 and ptr < out_hi and out_lo < ptr + size:
             raise ValueError(f"tensor {i} shares memory with out; pass tensors that do not alias the flat buffer")
         end = max(end, off + size)
-    if end > out.numel():
-        raise ValueError(f"the tensors need {end} bytes but out has {out.numel()}; allocate at least the bucket's nbytes")
     return LaunchTable(rows, end, srcs)

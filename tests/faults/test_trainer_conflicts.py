@@ -171,6 +171,7 @@ def test_a_hung_trainer_loses_its_server_after_the_lease_and_takeover_is_explici
         result = a.publish(first, 3)  # the old owner is refused, clearly, and changes nothing
         assert result.server_versions == {} and "belongs to trainer session" in result.failures[server.url]
         assert server.server.receiver.digest() == (2, digest(second))
+        assert a.events[0].kind == "refused" and "HTTP 423" in a.events[0].detail, a.events
 
         c.connect(third)  # takeover: true, while b is alive and within its lease
         assert c.publish(third, 4).server_versions == {server.url: 4}

@@ -4,7 +4,7 @@ A compiled pack reads raw memory: handed a tensor subclass whose data lives else
 FakeTensor: data pointer 0), a meta tensor, or a view whose storage was freed or shrunk after the view
 was made (``untyped_storage().resize_(0)``, which FSDP does to unsharded parameters), it would read
 through a null or dangling pointer and kill the trainer. ``memory_problem`` finds each of those; the
-weights view (``trainer.source.named_tensors``) and the CUDA launcher (``packing.cuda``) raise
+weights view (``trainer.source.check_tensors``) and the CUDA launcher (``packing.cuda``) raise
 ``UnpackableTensor`` on it, and the C++ op checks the same again itself (csrc/pack_cpu.cpp,
 ``check_tensor``), so no bad tensor reaches native code from any path.
 """

@@ -12,8 +12,9 @@ input must pack to the torch backend's bytes and checksum; a bad one must raise 
 ``TypeError`` or ``NotImplementedError`` naming the tensor, with not one byte of the buffer written.
 
 ``sync`` publishes versions through ``WeightSync`` (blocking, then async) to reference servers the
-parent started; each version has one tensor malformed, resized or replaced (also after ``publish``,
-before the snapshot reads it). A legal version must reach every server bit for bit (NaN and Inf
+parent started; each version has one tensor malformed, resized or replaced (a published tensor's
+storage also after ``publish``, before the snapshot reads it; ``publish`` reads which tensors make
+the version, so replacing one afterwards does not change it). A legal version must reach every server bit for bit (NaN and Inf
 included); a bad one must raise (blocking, or at ``publish`` for what ``publish`` checks) or land in
 ``sync.errors`` (async) naming the tensor, and every server must keep serving its last complete version.
 
@@ -52,6 +53,7 @@ LEGAL = ("plain", "noncontiguous", "expanded", "nan_inf", "parameter")
 BAD_TENSORS = ("dtensor", "wrapper", "fake", "meta", "freed", "shrunk", "sparse", "not_a_tensor")
 BAD_OPS = BAD_TENSORS + ("negative_offset", "huge_offset", "out_too_small", "out_aliases")
 BAD_LAYOUT = ("dtype", "reshaped", "missing", "extra")
+RESIZED = ("freed", "shrunk")  # what can still change after publish(): a published tensor's storage, in place
 CPU = torch.device("cpu")
 outcomes: Counter[str] = Counter()
 
@@ -353,10 +355,8 @@ def run_sync(urls: list[str], examples: int) -> None:
             worker._take = lambda item, target: (gate.wait(30), take(item, target))[1]
         try:
             sync.publish(named, v)
-            if after_publish and kind in ("freed", "shrunk"):  # the very tensor published, in place
+            if after_publish:  # the very tensor published, in place: publish() read the mapping already
                 named[victim].untyped_storage().resize_(0 if kind == "freed" else 1)
-            elif after_publish:  # replaced in the published mapping
-                named[victim] = malformed(kind, weights[victim], g)
             gate.set()
             sync.wait_snapshot()
         finally:
@@ -377,7 +377,7 @@ def run_sync(urls: list[str], examples: int) -> None:
                                           "max_staleness": 0, "pack_backend": "cpp"})
         with WeightSync(cfg) as sync:
             sync.connect(model)
-            boundary_checks(sync, version)
+            boundary_checks(sync, model, version)
 
             @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(victim=st.sampled_from(names), seed=st.integers(0, 2**20))
@@ -387,27 +387,41 @@ def run_sync(urls: list[str], examples: int) -> None:
 
             for kind in LEGAL + BAD_TENSORS + BAD_LAYOUT:
                 case(kind=kind, after_publish=False)
-                if sync.is_async and kind in BAD_TENSORS:  # changed after publish, before the snapshot read it
+                if sync.is_async and kind in RESIZED:  # after publish, before the snapshot read it
                     case(kind=kind, after_publish=True)
     outcomes["last complete version"] = max(v for v, _ in served(urls))
 
 
-def boundary_checks(sync, version: list[int]) -> None:  # type: ignore[no-untyped-def]
+def boundary_checks(sync, model: torch.nn.Module, version: list[int]) -> None:  # type: ignore[no-untyped-def]
     """What publish() itself refuses, in both modes, before anything is read or sent."""
-    from asyncsync.trainer.source import ShardedWeightsUnsupported
-
     v = version[0] + 1
     for bad in (None, 3, [torch.zeros(1)], torch.zeros(2)):
         expect_error(lambda: sync.publish(bad, v), ["Module or a mapping"], "publish(not weights)")
     expect_error(lambda: sync.publish(dtensor(torch.zeros(2)), v), ["DTensor"], "publish(a DTensor)")
     sharded = torch.nn.Linear(2, 2)
     sharded.weight = torch.nn.Parameter(dtensor(sharded.weight.detach()))
+    expect_sharded(lambda: sync.publish(sharded, v), "'weight' is a DTensor", "a module with DTensor parameters")
+    # The module given to connect(), its parameter swapped for a DTensor afterwards (as fully_shard does).
+    layer = model.model.layers[0].mlp.down_proj
+    plain = layer.weight
+    layer.weight = torch.nn.Parameter(dtensor(plain.detach()))
     try:
-        sync.publish(sharded, v)
-        raise AssertionError("a module with DTensor parameters was published")
+        expect_sharded(lambda: sync.publish(model, v), "'model.layers.0.mlp.down_proj.weight' is a DTensor",
+                       "the connected module, sharded afterwards")
+    finally:
+        layer.weight = plain
+
+
+def expect_sharded(call: Callable[[], object], fragment: str, what: str) -> None:
+    from asyncsync.trainer.source import ShardedWeightsUnsupported
+
+    try:
+        call()
     except ShardedWeightsUnsupported as e:
-        assert "'weight' is a DTensor" in str(e) and "sharded-trainer support" in str(e), e
-        outcomes["publish(a module with DTensor parameters): ShardedWeightsUnsupported"] += 1
+        assert fragment in str(e) and "sharded-trainer support" in str(e), e
+        outcomes[f"publish({what}): ShardedWeightsUnsupported"] += 1
+        return
+    raise AssertionError(f"{what} was published")
 
 
 def main() -> int:

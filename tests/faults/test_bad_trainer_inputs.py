@@ -32,7 +32,7 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.source import ShardedWeightsUnsupported, check_layout
 from asyncsync.transport.send import BucketSource
 
-from bad_inputs import BAD_LAYOUT, BAD_OPS, BAD_TENSORS, LEGAL, dtensor
+from bad_inputs import BAD_LAYOUT, BAD_OPS, BAD_TENSORS, LEGAL, RESIZED, dtensor
 from conftest import TINY
 from helpers import ThreadedServer, Trainer, digest
 
@@ -71,8 +71,9 @@ def test_weight_sync_refuses_malformed_versions_and_servers_keep_the_last_comple
         for kind in BAD_TENSORS + BAD_LAYOUT:
             assert summary[f"{kind}: errors"] > 0 and any(k.startswith(f"{kind}: ") and "errors" not in k
                                                            for k in summary), (kind, summary)
-        for kind in BAD_TENSORS:
+        for kind in RESIZED:
             assert summary[f"{kind} after publish: errors"] > 0, summary
+        assert summary["publish(the connected module, sharded afterwards): ShardedWeightsUnsupported"] == 2
         last = summary["last complete version"]
         for server in (a, b):
             version, _ = server.server.receiver.digest()

@@ -104,7 +104,7 @@ def test_second_trainer_is_refused_then_admitted_after_close(server):
         assert a.publish(first, 1).server_versions == {server.url: 1}
         b = WeightSync(blocking(server))
         started = time.monotonic()
-        with pytest.raises(TrainerConflict, match=rf"another trainer process already syncs.*{a.session}.*takeover: true"):
+        with pytest.raises(TrainerConflict, match=rf"another WeightSync of this process, never closed.*{a.session}.*takeover: true"):
             b.connect(second)
         assert time.monotonic() - started < 5, "the refusal must come at once, not after a rendezvous timeout"
         b.close()
@@ -205,7 +205,7 @@ def test_a_killed_trainer_hands_its_servers_on_at_once():
             assert session, proc.stderr.read() if proc.poll() is not None else "the trainer printed nothing"
             assert session.split(":")[1] == str(proc.pid)
             b = WeightSync(blocking(server))
-            with pytest.raises(TrainerConflict, match=session):
+            with pytest.raises(TrainerConflict, match=rf"another trainer process already syncs these servers.*{session}"):
                 b.connect(perturbed(2))
             b.close()
             os.kill(proc.pid, signal.SIGKILL)

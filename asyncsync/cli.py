@@ -22,7 +22,7 @@ def _load_yaml(path: str | None) -> dict[str, Any]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from asyncsync.models import ModelConfig, build_model
-    from asyncsync.receivers.reference.app import run_server
+    from asyncsync.receivers.reference.app import TRAINER_LEASE_S, run_server
 
     data = _load_yaml(args.model_config)
     data = data.get("model", data)
@@ -31,7 +31,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = build_model(ModelConfig.from_dict(data))
     token = args.token or os.environ.get("ASYNCSYNC_TOKEN") or None
     logging.getLogger("asyncsync").info("serving on http://%s:%d (auth %s)", args.host, args.port, "on" if token else "off")
-    run_server(model, args.host, args.port, token)
+    lease = TRAINER_LEASE_S if args.trainer_lease_s is None else args.trainer_lease_s
+    run_server(model, args.host, args.port, token, trainer_lease_s=lease)
     return 0
 
 
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model-config", help="YAML with the model shape (a 'model:' section or the fields)")
     serve.add_argument("--seed", type=int, help="initial weights' seed (overrides the config)")
     serve.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or set ASYNCSYNC_TOKEN)")
+    serve.add_argument("--trainer-lease-s", type=float,
+                       help="seconds without a call after which a trainer that still holds this server (hung) "
+                            "loses it to another trainer's connect; a crashed or closed trainer loses it at once "
+                            "(default 120)")
     serve.set_defaults(fn=cmd_serve)
 
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",

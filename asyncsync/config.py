@@ -112,6 +112,7 @@ class WeightSyncConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     group_name: str = "asyncsync"
+    takeover: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.async_weight_update, bool):
@@ -122,6 +123,8 @@ class WeightSyncConfig:
             raise ConfigError("group_per_server: needs async_weight_update: true (a blocking publish waits for every server anyway)")
         if not isinstance(self.checksum, bool):
             raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
+        if not isinstance(self.takeover, bool):
+            raise ConfigError(f"takeover: expected true or false, got {self.takeover!r}")
         object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
         if self.backend not in DATA_PLANE_BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")

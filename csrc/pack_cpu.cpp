@@ -206,13 +206,19 @@ void finish_layout(Layout& layout, const char* op) {
   }
 }
 
-void add_segment(Layout& layout, const at::Tensor& t, uint8_t* data, int64_t offset, int64_t index,
-                 const at::Tensor& buf, const char* op, const char* buf_arg) {
-  const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+// The byte range [offset, offset + nbytes) of tensor ``index`` must lie inside ``buf``. Checked before
+// a source is materialized, so a huge (e.g. expanded) view is refused without allocating for it, and
+// written as a subtraction so that no offset can overflow past the check.
+void check_range(int64_t nbytes, int64_t offset, int64_t index, const at::Tensor& buf, const char* op,
+                 const char* buf_arg) {
   TORCH_CHECK_VALUE(offset >= 0, op, ": offset ", offset, " of tensor ", index, " is negative");
-  TORCH_CHECK_VALUE(offset + nbytes <= buf.numel(), op, ": tensor ", index, " needs bytes [", offset, ", ",
-                    offset + nbytes, ") but ", buf_arg, " has only ", buf.numel(),
+  TORCH_CHECK_VALUE(nbytes <= buf.numel() && offset <= buf.numel() - nbytes, op, ": tensor ", index, " needs ", nbytes,
+                    " bytes at offset ", offset, " but ", buf_arg, " has only ", buf.numel(),
                     " bytes; allocate the buffer with at least the bucket's nbytes");
+}
+
+void add_segment(Layout& layout, int64_t nbytes, uint8_t* data, int64_t offset, int64_t index,
+                 const at::Tensor& buf, const char* op, const char* buf_arg) {
   TORCH_CHECK_VALUE(!ranges_overlap(data, nbytes, static_cast<const uint8_t*>(buf.const_data_ptr()), buf.numel()),
                     op, ": tensor ", index, " shares memory with ", buf_arg,
                     "; pass tensors that do not alias the flat buffer");
@@ -220,13 +226,52 @@ void add_segment(Layout& layout, const at::Tensor& t, uint8_t* data, int64_t off
   if (nbytes > 0) layout.segments.push_back({offset, nbytes, data, index});
 }
 
+// Destinations written in parallel must not share memory, or the result depends on thread timing.
+void check_disjoint_destinations(const Layout& layout, const char* op) {
+  std::vector<const Segment*> by_address;
+  by_address.reserve(layout.segments.size());
+  for (const Segment& s : layout.segments) by_address.push_back(&s);
+  std::sort(by_address.begin(), by_address.end(), [](const Segment* x, const Segment* y) { return x->data < y->data; });
+  for (size_t k = 1; k < by_address.size(); ++k) {
+    const Segment& prev = *by_address[k - 1];
+    const Segment& cur = *by_address[k];
+    TORCH_CHECK_VALUE(!ranges_overlap(prev.data, prev.nbytes, cur.data, cur.nbytes), op, ": destinations ", prev.index,
+                      " and ", cur.index, " share memory; unpack into tensors that do not overlap");
+  }
+}
+
+int64_t nbytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// Everything that makes reading (or writing) a tensor's memory unsafe, checked before any byte is
+// touched. The Python packing layer checks the same and more (the plan's dtypes, shapes and device);
+// this is the op's own defence. A tensor subclass with its own dispatch (DTensor, FakeTensor) reaches
+// this kernel as it is, with no storage or a null data pointer; a storage freed or shrunk with
+// ``untyped_storage().resize_()`` (as FSDP does to unsharded parameters) leaves a view that points
+// past the end of its allocation.
 void check_tensor(const at::Tensor& t, int64_t index, const char* op) {
   TORCH_CHECK_VALUE(t.defined(), op, ": tensor ", index, " is undefined");
+  TORCH_CHECK_VALUE(!t.key_set().has(c10::DispatchKey::Python), op, ": tensor ", index,
+                    " is a tensor subclass with its own dispatch (e.g. a DTensor or a FakeTensor); pass plain tensors "
+                    "(for a DTensor, its full_tensor())");
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": tensor ", index, " is on ", t.device(),
-                    "; this op handles CPU tensors (the CUDA pack backend handles GPU tensors)");
+                    "; this op handles CPU tensors with data (the CUDA pack backend handles GPU tensors)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": tensor ", index, " has layout ", t.layout(),
                     "; only dense tensors can be packed (call .to_dense() first)");
+  TORCH_CHECK_VALUE(t.has_storage(), op, ": tensor ", index,
+                    " has no storage (a wrapper tensor); pass a plain tensor that owns its data");
+  if (t.numel() == 0) return;
+  int64_t last = t.storage_offset();  // the furthest element the view reaches
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK_VALUE(t.stride(d) >= 0, op, ": tensor ", index, " has a negative stride");
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  const int64_t needed = (last + 1) * static_cast<int64_t>(t.element_size());
+  const auto have = static_cast<int64_t>(t.storage().nbytes());
+  TORCH_CHECK_VALUE(t.storage().data() != nullptr && needed <= have, op, ": tensor ", index, " reads ", needed,
+                    " bytes of a storage that holds ", have, ": its storage was freed or resized after the view was "
+                    "made (e.g. by FSDP resharding); pack it while its data is allocated");
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Byte-range driver.
@@ -300,13 +345,16 @@ int64_t pack(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out
   layout.segments.reserve(srcs.size());
   for (size_t i = 0; i < srcs.size(); ++i) {
     const at::Tensor* t = &srcs[i];
-    check_tensor(*t, static_cast<int64_t>(i), op);
+    const auto index = static_cast<int64_t>(i);
+    check_tensor(*t, index, op);
+    const int64_t nbytes = nbytes_of(*t);
+    check_range(nbytes, offsets[i], index, out, op, "out");
     if (!t->is_contiguous() || t->is_conj() || t->is_neg()) {
       dense.push_back(t->resolve_conj().resolve_neg().contiguous());
       t = &dense.back();
     }
     auto* data = const_cast<uint8_t*>(static_cast<const uint8_t*>(t->const_data_ptr()));
-    add_segment(layout, *t, data, offsets[i], static_cast<int64_t>(i), out, op, "out");
+    add_segment(layout, nbytes, data, offsets[i], index, out, op, "out");
   }
   finish_layout(layout, op);
   auto* buf = static_cast<uint8_t*>(out.mutable_data_ptr());
@@ -326,13 +374,16 @@ void unpack(const at::Tensor& buf, at::IntArrayRef offsets, at::TensorList dsts)
   layout.segments.reserve(dsts.size());
   for (size_t i = 0; i < dsts.size(); ++i) {
     const at::Tensor& t = dsts[i];
-    check_tensor(t, static_cast<int64_t>(i), op);
+    const auto index = static_cast<int64_t>(i);
+    check_tensor(t, index, op);
     TORCH_CHECK_VALUE(t.is_contiguous() && !t.is_conj() && !t.is_neg(), op, ": destination ", i,
                       " is not a plain contiguous tensor; unpack into a contiguous one and copy_ it where needed");
-    add_segment(layout, t, static_cast<uint8_t*>(t.mutable_data_ptr()), offsets[i], static_cast<int64_t>(i), buf,
-                op, "buf");
+    const int64_t nbytes = nbytes_of(t);
+    check_range(nbytes, offsets[i], index, buf, op, "buf");
+    add_segment(layout, nbytes, static_cast<uint8_t*>(t.mutable_data_ptr()), offsets[i], index, buf, op, "buf");
   }
   finish_layout(layout, op);
+  check_disjoint_destinations(layout, op);
   run<false, false>(static_cast<uint8_t*>(const_cast<void*>(buf.const_data_ptr())), layout);
 }
 

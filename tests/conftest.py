@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
@@ -34,3 +35,26 @@ async def serve_every_path(handler: Callable[[web.Request], Awaitable[web.Stream
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     return server
+
+
+@dataclass
+class Recorder:
+    url: str
+    calls: list[str]  # the paths asked for, in order
+
+
+@pytest.fixture
+async def recording_server() -> AsyncIterator[Recorder]:
+    """A stand-in server that records every path it is asked for (answering as a reference server
+    answers the first calls of a connect): tests that something fails before any server is contacted."""
+    calls: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return web.json_response({"world_size": 1, "version": 0})
+
+    server = await serve_every_path(record)
+    try:
+        yield Recorder(str(server.make_url("")).rstrip("/"), calls)
+    finally:
+        await server.close()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp import web
 
 from asyncsync import ConfigError, WeightSync, WeightSyncConfig
 from asyncsync.engines import engine_class, make_engine, register_engine
@@ -18,7 +17,7 @@ from asyncsync.engines.reference import ReferenceEngine
 from asyncsync.packing import PackBackendUnavailable
 from asyncsync.trainer.source import LayoutChanged
 
-from conftest import TINY, serve_every_path
+from conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER_STACK = ("aiohttp", "prometheus_client", "yaml", "transformers", "asyncsync.trainer", "asyncsync.transport",
@@ -87,23 +86,13 @@ def test_a_registered_engine_kind_is_accepted_and_built(monkeypatch):
         engine_class("broken")
 
 
-async def test_a_pack_backend_that_cannot_load_fails_before_any_server_is_contacted():
-    calls: list[str] = []
-
-    async def record(request: web.Request) -> web.Response:
-        calls.append(request.path)
-        return web.json_response({"world_size": 1, "version": 0})
-
-    server = await serve_every_path(record)
-    try:
-        cfg = WeightSyncConfig.from_dict({"servers": [str(server.make_url("")).rstrip("/")], "pack_backend": "cuda"})
-        sync = WeightSync(cfg)
-        with pytest.raises(PackBackendUnavailable, match="needs a CUDA device|packs cuda buffers"):
-            sync.connect(torch.nn.Linear(2, 2))  # CPU weights: the CUDA backend cannot pack them
-        assert calls == [], "no server may be asked to join before the pack backend is known to work"
-        assert sync.server_versions == {}
-    finally:
-        await server.close()
+async def test_a_pack_backend_that_cannot_load_fails_before_any_server_is_contacted(recording_server):
+    cfg = WeightSyncConfig.from_dict({"servers": [recording_server.url], "pack_backend": "cuda"})
+    sync = WeightSync(cfg)
+    with pytest.raises(PackBackendUnavailable, match="needs a CUDA device|packs cuda buffers"):
+        sync.connect(torch.nn.Linear(2, 2))  # CPU weights: the CUDA backend cannot pack them
+    assert recording_server.calls == [], "no server may be asked to join before the pack backend is known to work"
+    assert sync.server_versions == {}
 
 
 @pytest.mark.parametrize("async_weight_update", [False, True], ids=["blocking", "async"])

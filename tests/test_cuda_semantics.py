@@ -77,24 +77,26 @@ def train(fake: FakeCuda, sync: WeightSync, servers: list[ServerProcess], steps:
     start = max(s.get("/version")["version"] for s in servers)
     published = {}
     with Watcher(servers) as watcher:
-        sync.connect(model)  # not the step boundary: it may wait
-        for version in range(start + 1, start + 1 + steps):
-            with fake.boundary():
-                sync.wait_snapshot()
-            delta = 1e-2 * version
+        try:
+            sync.connect(model)  # not the step boundary: it may wait
+            for version in range(start + 1, start + 1 + steps):
+                with fake.boundary():
+                    sync.wait_snapshot()
+                delta = 1e-2 * version
 
-            def step(m: torch.nn.Module = model, d: float = delta) -> None:
-                with torch.no_grad():
-                    for p in m.parameters():
-                        p.add_(d)
+                def step(m: torch.nn.Module = model, d: float = delta) -> None:
+                    with torch.no_grad():
+                        for p in m.parameters():
+                            p.add_(d)
 
-            fake.launch(step)  # runs on the trainer's stream, after whatever wait_snapshot ordered
-            step(shadow)
-            published[version] = digest(shadow)
-            with fake.boundary():
-                sync.publish(model, version)
-            time.sleep(pause_s)
-        sync.close()
+                fake.launch(step)  # runs on the trainer's stream, after whatever wait_snapshot ordered
+                step(shadow)
+                published[version] = digest(shadow)
+                with fake.boundary():
+                    sync.publish(model, version)
+                time.sleep(pause_s)
+        finally:
+            sync.close()  # also when the harness raised: an open sync would keep owning the servers
     finals = {s.url: s.get("/weights/digest") for s in servers}
     samples = {u: [*watcher.samples[u], (f["version"], f["digest"])] for u, f in finals.items()}
     return published, samples

@@ -50,6 +50,7 @@ def engine_class(kind: str) -> type[EngineClient]:
     return cls
 
 
-def make_engine(server: ServerConfig, timeout_s: float) -> EngineClient:
-    """A client for ``server``, of the class registered for its kind; ``timeout_s`` bounds each HTTP call."""
-    return engine_class(server.kind)(server, timeout_s)
+def make_engine(server: ServerConfig, timeout_s: float, session: str | None = None) -> EngineClient:
+    """A client for ``server``, of the class registered for its kind; ``timeout_s`` bounds each HTTP
+    call; ``session`` is the trainer session it speaks for (None: a client that only reads, e.g. rollouts)."""
+    return engine_class(server.kind)(server, timeout_s, session)

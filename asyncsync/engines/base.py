@@ -52,6 +52,7 @@ class EngineClient(ABC):
     Contract, per server and in this order::
 
         n = await client.world_size()                 # data-plane ranks the server contributes
+        await client.claim(takeover)                  # the server is this trainer session's (or 423)
         await client.init_group(spec, rank_offset)    # answered once the server's ranks joined
         names = await client.expected_names()         # at connect: the tensor names it loads, or None
         for version in versions:
@@ -62,6 +63,7 @@ class EngineClient(ABC):
             # or, when begin/update/end failed or missed its deadline:
             await client.abort(version)               # undo whatever begin left open
         gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
+        await client.release()                        # the server may serve another trainer now
         await client.close()
 
     ``update`` is sent before the broadcast starts and awaited after it, so no collective ever waits
@@ -76,9 +78,10 @@ class EngineClient(ABC):
     protocol: ClassVar[DataPlaneProtocol] = ASYNCSYNC_PROTOCOL
     keepalive_s: ClassVar[float] = CLIENT_KEEPALIVE_S  # must stay below the server's idle timeout
 
-    def __init__(self, server: ServerConfig, timeout_s: float):
+    def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
         self.server = server
-        self.http = HttpClient(server.base_url, server.token, timeout_s, self.keepalive_s)
+        self.session = session  # the trainer session this client speaks for (sent with every call)
+        self.http = HttpClient(server.base_url, server.token, timeout_s, self.keepalive_s, session=session)
 
     @property
     def url(self) -> str:
@@ -86,6 +89,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def world_size(self) -> int: ...
+
+    async def claim(self, takeover: bool) -> None:
+        """Make the server this client's trainer session's before a group is formed with it; raises
+        ``ServerError`` with status ``OWNED_STATUS`` (423) when another trainer session owns it.
+        Servers that track no owner (vLLM, SGLang: see docs/faults.md) keep this default: nothing."""
+
+    async def release(self) -> None:
+        """Tell the server this trainer session is done with it (its ``close()``); best effort."""
 
     @abstractmethod
     async def init_group(self, spec: GroupSpec, rank_offset: int) -> None: ...

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from asyncsync.protocol.wire import GroupSpec
+import logging
+
 from asyncsync.engines.base import EngineClient, Generation
-from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, UpdateRequest, VersionRequest
+from asyncsync.transport.control import ServerError
+
+log = logging.getLogger(__name__)
 
 
 class ReferenceEngine(EngineClient):
@@ -14,6 +18,18 @@ class ReferenceEngine(EngineClient):
 
     async def world_size(self) -> int:
         return int((await self.http.get("/world_size"))["world_size"])
+
+    async def claim(self, takeover: bool) -> None:
+        assert self.session is not None, "a client that claims a server speaks for a trainer session"
+        try:
+            await self.http.post("/claim", ClaimRequest(self.session, takeover).to_json())
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            log.info("%s has no /claim (an older server): it is synced without owner protection", self.url)
+
+    async def release(self) -> None:
+        await self.best_effort(self.http.post("/release"), "release the server")
 
     async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
         await self.http.post("/init_group", InitGroupRequest(spec, rank_offset).to_json())

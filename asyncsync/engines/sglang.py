@@ -86,8 +86,8 @@ class SglangEngine(EngineClient):
     protocol = SGLANG_PROTOCOL
     keepalive_s = UVICORN_KEEPALIVE_S - 1.0
 
-    def __init__(self, server: ServerConfig, timeout_s: float):
-        super().__init__(server, timeout_s)
+    def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
+        super().__init__(server, timeout_s, session)
         self._group_name: str | None = None  # the server's group this client made and has not destroyed
         self._sessions: bool | None = None   # does the server have begin/end_weight_update? Learnt once.
         self._paused = False

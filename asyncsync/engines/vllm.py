@@ -32,8 +32,8 @@ class VllmEngine(EngineClient):
     kind = "vllm"
     keepalive_s = UVICORN_KEEPALIVE_S - 1.0
 
-    def __init__(self, server: ServerConfig, timeout_s: float):
-        super().__init__(server, timeout_s)
+    def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
+        super().__init__(server, timeout_s, session)
         self._paused = False
 
     async def world_size(self) -> int:

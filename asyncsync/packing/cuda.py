@@ -19,11 +19,13 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
+from asyncsync.packing.checks import UnpackableTensor, check_tensor, memory_problem
 from asyncsync.packing.native import CSRC, CUDA_SOURCE
 
 
@@ -80,33 +82,73 @@ class CudaPackBackend(PackBackend):
 
     def pack(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
              checksum: bool) -> torch.Tensor | None:
-        if out.device.type != "cuda" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous 1-D uint8 CUDA tensor, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        if len(tensors) != len(offsets):
-            raise ValueError(f"got {len(tensors)} tensors but {len(offsets)} offsets; pass one byte offset per tensor")
-        srcs = [t.detach().contiguous() for t in tensors]
-        rows = sorted((off, t.numel() * t.element_size(), t.data_ptr(), i) for i, (t, off) in enumerate(zip(srcs, offsets)))
-        end = 0
-        for off, size, _, i in rows:
-            if srcs[i].device != out.device:
-                raise ValueError(f"tensor {i} is on {srcs[i].device}, out on {out.device}; move it first")
-            if off < end and size > 0:
-                raise ValueError(f"tensor {i} at offset {off} overlaps the previous range ending at {end}")
-            end = max(end, off + size)
-        if end > out.numel():
-            raise ValueError(f"the tensors need {end} bytes but out has {out.numel()}")
-        table = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
+        table = launch_table(tensors, offsets, out, self.device_type)  # raises before the kernel sees anything
+        return self._launch(table, out, checksum)
+
+    def _launch(self, table: LaunchTable, out: torch.Tensor, checksum: bool) -> torch.Tensor | None:
+        """One kernel launch over ``table``'s validated ranges, on the current stream of ``out``'s device."""
+        rows, end = table.rows, table.end
+        ptrs = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
         # Pinned, so the upload does not block the host; the caching host allocator keeps the block
         # until the copy has run on this stream.
-        table = table.pin_memory().to(out.device, non_blocking=True)
+        ptrs = ptrs.pin_memory().to(out.device, non_blocking=True)
         crc_out = torch.empty(1, dtype=torch.int32, device=out.device) if checksum else None
         workspace = torch.empty(self.lib.asyncsync_pack_cuda_workspace_bytes(end), dtype=torch.uint8, device=out.device)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         with torch.cuda.device(out.device):  # the launcher sizes its grid for the current device
             err = self.lib.asyncsync_pack_cuda(
-                table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), len(rows), out.data_ptr(), end,
+                ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), len(rows), out.data_ptr(), end,
                 stream, crc_out.data_ptr() if crc_out is not None else None, workspace.data_ptr(),
             )
         if err:
             raise RuntimeError(f"asyncsync_pack_cuda failed: {self.lib.asyncsync_cuda_error_string(err).decode()}")
         return (crc_out[0].to(torch.int64) & 0xFFFFFFFF) if crc_out is not None else None
+
+
+@dataclass(frozen=True)
+class LaunchTable:
+    """What the kernel reads: (offset, nbytes, source address, index) sorted by offset, the end of the
+    last range, and the sources those addresses point into (kept alive until the launch is enqueued)."""
+
+    rows: list[tuple[int, int, int, int]]
+    end: int
+    sources: list[torch.Tensor]
+
+
+def launch_table(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
+                 device_type: str) -> LaunchTable:
+    """Validate every argument of a pack on ``device_type`` and lay out the kernel's table.
+
+    The kernel gets raw addresses through a C ABI and checks nothing, so everything that would make
+    it read or write the wrong memory is refused here, each with an ``UnpackableTensor`` or
+    ``ValueError`` naming the tensor: a tensor subclass, a meta tensor or a freed or shrunk storage
+    (``memory_problem``), another device than ``out``, a negative offset, overlapping ranges, a range
+    past the end of ``out``, a source that shares memory with ``out``. Runs without a GPU (the tests
+    call it with ``device_type="cpu"``)."""
+    problem = memory_problem(out)
+    if (problem is not None or out.device.type != device_type or out.dtype != torch.uint8 or out.dim() != 1
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous 1-D uint8 {device_type} tensor with data, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}" + (f" that {problem}" if problem else ""))
+    if len(tensors) != len(offsets):
+        raise ValueError(f"got {len(tensors)} tensors but {len(offsets)} offsets; pass one byte offset per tensor")
+    srcs = []
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        check_tensor(str(i), t)
+        if t.device != out.device:
+            raise UnpackableTensor(f"tensor '{i}' is on {t.device}, out on {out.device}; move it to out's device first")
+        if off < 0:
+            raise ValueError(f"offset {off} of tensor {i} is negative")
+        srcs.append(t.detach().contiguous())
+    rows = sorted((off, t.numel() * t.element_size(), t.data_ptr(), i) for i, (t, off) in enumerate(zip(srcs, offsets)))
+    end, out_lo, out_hi = 0, out.data_ptr(), out.data_ptr() + out.numel()
+    for off, size, ptr, i in rows:
+        if off + size > out.numel():
+            raise ValueError(f"tensor {i} needs {size} bytes at offset {off} but out has only {out.numel()} bytes; "
+                             "allocate the buffer with at least the bucket's nbytes")
+        if size > 0 and off < end:
+            raise ValueError(f"tensor {i} at offset {off} overlaps the previous range ending at {end}")
+        if size > 0 and ptr < out_hi and out_lo < ptr + size:
+            raise ValueError(f"tensor {i} shares memory with out; pass tensors that do not alias the flat buffer")
+        end = max(end, off + size)
+    return LaunchTable(rows, end, srcs)

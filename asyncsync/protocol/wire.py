@@ -207,3 +207,39 @@ class InitGroupRequest:
     def __post_init__(self) -> None:
         if not 1 <= self.rank_offset < self.group.world_size:
             raise WireError(f"init_group.rank_offset: must be in [1, world_size={self.group.world_size}), got {self.rank_offset}")
+
+
+# -- which trainer owns a receiver -------------------------------------------------------------------
+
+SESSION_HEADER = "X-Asyncsync-Session"  # every call of a trainer carries its session id (renews its lease)
+OWNED_STATUS = 423  # HTTP status of a call refused because another trainer session owns the receiver
+MAX_SESSION_CHARS = 200
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A trainer session asks to own a receiver before it forms a group with it (``POST /claim``).
+
+    ``session`` names the trainer process (``host:pid:random``; the same value travels in the
+    ``SESSION_HEADER`` of all its calls). ``takeover`` claims the receiver even from a session that
+    still looks alive: for replacing a trainer known to be hung faster than the receiver's lease.
+    Receivers that predate claims answer 404 and are used as before (unprotected)."""
+
+    session: str
+    takeover: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session, str) or not self.session or len(self.session) > MAX_SESSION_CHARS \
+                or not self.session.isprintable():
+            raise WireError(f"claim.session: expected a printable string of 1 to {MAX_SESSION_CHARS} characters, "
+                            f"got {self.session!r}")
+        if not isinstance(self.takeover, bool):
+            raise WireError(f"claim.takeover: expected true or false, got {self.takeover!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ClaimRequest:
+        takeover = _field(data, "takeover", bool, "claim") if isinstance(data, dict) and "takeover" in data else False
+        return cls(_field(data, "session", str, "claim"), takeover)

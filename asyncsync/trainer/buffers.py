@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from asyncsync.packing import PackBackend
+from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.trainer.source import check_layout
 
@@ -34,7 +35,7 @@ class PackedBuffers:
 
     def __init__(self, plan: BucketPlan, device: torch.device, packer: PackBackend, checksum: bool,
                  slots: int | None = None):
-        self.plan, self.packer, self.checksum, self.slots = plan, packer, checksum, slots
+        self.plan, self.packer, self.checksum, self.slots, self.device = plan, packer, checksum, slots, device
         sizes = [b.nbytes for b in plan.buckets] if slots is None else [plan.max_bucket_bytes] * slots
         self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self.crcs: list[Crc] = [None] * len(self.buffers)
@@ -48,14 +49,25 @@ class PackedBuffers:
         return bucket.index if self.slots is None else bucket.index % self.slots
 
     def pack(self, bucket: Bucket, named: Mapping[str, torch.Tensor]) -> None:
+        """Pack one bucket of ``named``, already checked by ``check_layout``. A backend that still
+        refuses a tensor (its own checks: another thread freed or resized it since) raises
+        ``UnpackableTensor`` naming it."""
         slot = self._slot(bucket)
         out = self.buffers[slot][: bucket.nbytes]
-        self.crcs[slot] = self.packer.pack([named[s.name] for s in bucket.specs], bucket.offsets, out, self.checksum)
+        tensors = [named[s.name] for s in bucket.specs]
+        try:
+            self.crcs[slot] = self.packer.pack(tensors, bucket.offsets, out, self.checksum)
+        except (ValueError, TypeError) as e:
+            self.crcs[slot] = None
+            culprit = next((f"tensor '{s.name}' {p}" for s, t in zip(bucket.specs, tensors)
+                            if (p := memory_problem(t)) is not None), None)
+            raise UnpackableTensor(f"packing bucket {bucket.index} failed: {culprit or e}") from e
 
     def pack_all(self, named: Mapping[str, torch.Tensor]) -> None:
-        """Pack a whole version (``slots=None`` only); raises ``LayoutChanged`` before writing anything."""
+        """Pack a whole version (``slots=None`` only); raises ``LayoutChanged`` (or ``UnpackableTensor``
+        for a tensor on another device) before writing anything."""
         assert self.slots is None, "a ring holds only a few buckets at a time"
-        check_layout(self.plan, named)
+        check_layout(self.plan, named, self.device)
         for bucket in self.plan.buckets:
             self.pack(bucket, named)
 
@@ -69,8 +81,8 @@ class PackedBuffers:
 
     def packing(self, named: Mapping[str, torch.Tensor]) -> PackOnDemand:
         """A source for ``send_version`` that packs each bucket from ``named`` when it is asked for;
-        raises ``LayoutChanged`` now, before anything is sent."""
-        check_layout(self.plan, named)
+        raises ``LayoutChanged`` (or ``UnpackableTensor``) now, before anything is sent."""
+        check_layout(self.plan, named, self.device)
         return PackOnDemand(self, named)
 
 

@@ -11,11 +11,27 @@ are the sharded ones).
 Which names are sent is decided once, at ``connect``, by ``TiedNames``: a tied weight
 (``lm_head.weight`` tied to ``model.embed_tokens.weight``) is sent once, under the name the servers
 load it by, whether a version is published as the module or as a detached copy of its state dict.
+
+What the trainer hands ``connect`` and ``publish`` is checked, so that bad input raises a clear error
+and never reaches a compiled pack:
+
+- ``all_tensors`` (``connect``, ``publish`` itself): a module or a mapping, else ``TypeError``;
+- ``check_tensors`` on every tensor of a version, once (about 2 us each): sharded tensors
+  (``check_not_sharded``, the one place issue 11 replaces with the sharded path), then anything a
+  pack could not read safely (``packing.checks.memory_problem``: tensor subclasses, meta tensors,
+  freed or shrunk storages). It runs at ``connect``, when ``WeightsReader`` walks a module (once per
+  module object and after any re-registration: ``fully_shard`` swapping in DTensors is refused at
+  ``publish``, which otherwise stays O(1) beyond its lookups), and where a version is read for
+  packing (``WeightsView.tensors``: the async snapshot, a blocking ``publish``), which is also where a
+  mapping's tensors are checked, a mapping being usually a new object at each ``publish``;
+- ``check_layout`` (right before a version is packed): the plan's names, dtypes and shapes, and the
+  device the buffers live on.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +39,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from asyncsync.packing.checks import UnpackableTensor, check_tensor
 from asyncsync.protocol.specs import BucketPlan, storage_aliases
 
 log = logging.getLogger(__name__)
@@ -32,6 +49,45 @@ Weights = torch.nn.Module | Mapping[str, torch.Tensor]
 
 class LayoutChanged(ValueError):
     """The weights' names, dtypes or shapes no longer match the plan made at ``connect``."""
+
+
+class ShardedWeightsUnsupported(NotImplementedError):
+    """The weights hold a DTensor (FSDP2, tensor parallelism): asyncsync does not send sharded weights yet."""
+
+
+def _dtensor_class() -> type | None:
+    """DTensor, if anything imported it (a tensor cannot be one otherwise): importing it here would
+    cost every trainer torch.distributed.tensor's start-up."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def check_not_sharded(named: Mapping[str, object]) -> None:
+    """Refuse sharded weights, naming the first DTensor and what to do instead.
+
+    The one place sharded trainers are turned away: when sharded support lands (issue 11), this is
+    what gives way to the sharded path. Until then a DTensor holds only this rank's shard (its
+    ``data_ptr()`` is 0), and sending it would hand servers the wrong bytes or none."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return
+    for name, t in named.items():
+        if isinstance(t, dtensor):
+            raise ShardedWeightsUnsupported(
+                f"'{name}' is a DTensor (sharded over {t.device_mesh} as {list(t.placements)}): asyncsync does not "
+                "send sharded weights yet. Gather them and sync from one rank: e.g. a full state dict "
+                "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True, cpu_offload=True)) on every rank) passed as a mapping to connect() and "
+                "publish() on rank 0 only; or wait for sharded-trainer support")
+
+
+def check_tensors(named: Mapping[str, object]) -> None:
+    """Every tensor of a version: ``ShardedWeightsUnsupported`` for a DTensor, ``UnpackableTensor``
+    naming anything else a pack could not read safely. Before ties are looked for: they compare data
+    pointers, which such tensors do not have."""
+    check_not_sharded(named)
+    for name, t in named.items():
+        check_tensor(name, t)
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -50,8 +106,15 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def all_tensors(weights: Weights) -> dict[str, torch.Tensor]:
-    """Every tensor of a module (``module_tensors``) or a mapping, tied ones under each of their names."""
-    return module_tensors(weights) if isinstance(weights, torch.nn.Module) else dict(weights)
+    """Every tensor of a module (``module_tensors``) or a mapping, tied ones under each of their names;
+    ``TypeError`` (``ShardedWeightsUnsupported`` for a DTensor) for anything else."""
+    if isinstance(weights, torch.nn.Module):
+        return module_tensors(weights)
+    if isinstance(weights, Mapping):
+        return dict(weights)
+    check_not_sharded({"the weights": weights})
+    raise TypeError(f"expected the weights as a torch.nn.Module or a mapping of name -> tensor, got a "
+                    f"{type(weights).__name__}")
 
 
 def declared_ties(module: torch.nn.Module) -> dict[str, str]:
@@ -149,8 +212,10 @@ class WeightsReader:
             self._stale = True
 
     def read(self, weights: Weights) -> WeightsView:
+        """The view of ``weights``; raises what ``all_tensors`` raises, and what ``check_tensors``
+        raises for a module being walked."""
         if not isinstance(weights, torch.nn.Module):
-            return WeightsView(dict(weights), self.ties)
+            return WeightsView(all_tensors(weights), self.ties)
         if weights is not self._module or self._stale:
             self._walk(weights)
         return WeightsView({name: table[key] for name, table, key in self._index})
@@ -160,7 +225,9 @@ class WeightsReader:
             self._hooks = [register(self._on_registration) for register in (
                 nn_module.register_module_parameter_registration_hook, nn_module.register_module_buffer_registration_hook,
                 nn_module.register_module_module_registration_hook)]
-        kept = self.ties.drop(module_tensors(module))
+        named = module_tensors(module)
+        check_tensors(named)
+        kept = self.ties.drop(named)
         index, members = [], set()
         for prefix, m in module.named_modules(remove_duplicate=False):
             members.add(id(m))
@@ -180,12 +247,17 @@ class WeightsReader:
 
 
 class WeightsView:
-    """The tensors of one version as read at ``publish``; ``tensors()`` gives the name -> tensor map sent."""
+    """The tensors of one version as read at ``publish``; ``tensors()`` gives the name -> tensor map
+    sent, every tensor checked (``check_tensors``) the first time, on the thread that packs it."""
 
     def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None):
         self._named, self._ties = named, ties  # ties: still to be left out of ``named`` (a mapping's)
+        self._checked = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if not self._checked:
+            check_tensors(self._named)
+            self._checked = True
         if self._ties is not None:
             self._named, self._ties = self._ties.drop(self._named), None
         return self._named
@@ -193,17 +265,24 @@ class WeightsView:
 
 def named_tensors(weights: Weights) -> dict[str, torch.Tensor]:
     """Fresh name -> tensor map of a module or a mapping as sent to servers that do not report the
-    names they expect: tied weights once (``TiedNames``)."""
-    return TiedNames.decide(weights, None).drop(all_tensors(weights))
+    names they expect: tied weights once (``TiedNames``); every tensor checked (``check_tensors``)."""
+    named = all_tensors(weights)
+    check_tensors(named)
+    return TiedNames.decide(weights, None).drop(named)
 
 
-def check_layout(plan: BucketPlan, named: Mapping[str, torch.Tensor]) -> None:
+def check_layout(plan: BucketPlan, named: Mapping[str, torch.Tensor], device: torch.device) -> None:
     """Raise ``LayoutChanged`` unless ``named`` matches the plan: the one policy of both modes. Servers
-    verify every version against the model they serve, so a changed layout is refused, not re-planned."""
+    verify every version against the model they serve, so a changed layout is refused, not re-planned.
+    A tensor that moved off ``device`` (where the buffers were allocated) raises ``UnpackableTensor``."""
     problem = plan.mismatch(named)
     if problem is not None:
         raise LayoutChanged(f"the weights changed since connect(): {problem}; servers only accept the layout "
                             "they serve, so call connect() again if the model really changed")
+    for name, t in named.items():
+        if t.device != device:
+            raise UnpackableTensor(f"tensor '{name}' is on {t.device}, but the weights were on {device} at connect(); "
+                                   "keep every tensor on that device (the sync's buffers live there)")
 
 
 def weights_device(named: Mapping[str, torch.Tensor]) -> torch.device:

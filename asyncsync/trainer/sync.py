@@ -20,11 +20,11 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.protocol.device import Runtime, runtime_for
-from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, weights_device
+from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, check_tensors, weights_device
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.control import ControlLoop
-from asyncsync.transport.membership import Membership, lowest_member_version
+from asyncsync.transport.membership import Membership, lowest_member_version, new_session
 from asyncsync.transport.send import send_version
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,11 @@ class WeightSync:
     Contract: ``connect`` once, then ``wait_snapshot`` before changing parameters and ``publish``
     after; ``close`` drains. A server's failure never raises out of these calls: it is reported in
     the ``SyncResult`` (blocking), ``events`` and the metrics. What raises is a mistake of the caller:
-    publishing before ``connect``, a version that is not newer, weights whose layout changed since
-    ``connect`` (blocking mode; async mode records it in ``errors``)."""
+    publishing before ``connect``, a version that is not newer, weights that are not a module or a
+    mapping of tensors, sharded weights (``ShardedWeightsUnsupported``), and, where the version is
+    read (``connect``, a blocking ``publish``; async mode records it in ``errors``), a tensor that
+    cannot be packed (``UnpackableTensor``) or a layout that changed since ``connect`` (``LayoutChanged``).
+    Every such error names the tensor and says what to do; none reaches a compiled pack."""
 
     def __init__(self, config: WeightSyncConfig):
         if not config.servers:
@@ -57,6 +60,7 @@ class WeightSync:
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
         self._errors_at_close: list[str] = []
+        self.session = new_session()  # the trainer session that owns the servers from connect() to close()
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig | Mapping[str, Any] | str | Path) -> WeightSync:
@@ -88,14 +92,16 @@ class WeightSync:
         is left open. Pass the module, not a copy of its state dict, so that its ties are known: later
         versions may then be published either way."""
         cfg = self.config
-        self.runtime = runtime = runtime_for(weights_device(all_tensors(model)))
+        every = all_tensors(model)
+        check_tensors(every)  # no server hears of weights that cannot be sent
+        self.runtime = runtime = runtime_for(weights_device(every))
         device = runtime.device
         try:
             self._packer = get_backend(cfg.pack_backend, device)  # before any group: a bad backend fails first
             self._control = ControlLoop()
             groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
             for group_cfg in groups:
-                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime))
+                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime, self.session))
             told = [names for m in self._members for names in m.expected_names()]
             self._reader.close()
             self._reader = WeightsReader(TiedNames.decide(model, frozenset().union(*told) if told else None))
@@ -140,7 +146,7 @@ class WeightSync:
         if version <= self._last_version:
             raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
         assert self._ring is not None and self.plan is not None
-        source = self._ring.packing(self._reader.read(model).tensors())  # raises LayoutChanged before anything is sent
+        source = self._ring.packing(self._reader.read(model).tensors())  # raises before anything is sent
         self._last_version = version
         self.metrics.count("published")
         result = send_version(self._members[0], version, self.plan, source)  # blocking mode has one membership

@@ -178,7 +178,7 @@ class SyncWorker:
                 self._s.writing = target
             try:
                 self._take(item, target)
-            except Exception as e:  # a changed layout: report it, keep the trainer going
+            except Exception as e:  # a changed layout, an unpackable tensor: report it, keep the trainer going
                 log.error("snapshot of version %d failed: %s", item.version, e)
                 with self._cond:
                     self._s.errors.append(f"version {item.version}: snapshot failed: {e}")
@@ -201,7 +201,7 @@ class SyncWorker:
         """Enqueue the copy of ``item`` into ``target``; on a device it is "taken" once queued."""
         t0 = time.perf_counter()
         named = item.view.tensors()
-        check_layout(self.plan, named)
+        check_layout(self.plan, named, target.buffers.device)
         after = [item.ready, *target.sent]  # the step's writes, and the broadcasts that read target last
         target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=after)
         target.version, target.taken, target.sent = item.version, 0, []

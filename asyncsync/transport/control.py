@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from asyncsync.protocol.wire import SESSION_HEADER
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -93,16 +95,19 @@ class RetryPolicy:
 
 
 class HttpClient:
-    """One server's pooled connections: JSON calls with a deadline and an optional bearer token.
+    """One server's pooled connections: JSON calls with a deadline, an optional bearer token, and the
+    trainer's session id in ``SESSION_HEADER`` (servers that track their owner renew its lease).
 
     ``get`` is retried (see ``RetryPolicy``); ``post`` is not, unless the caller says the call is
     idempotent. Any failure becomes a ``ServerError`` naming the server, the call and the cause.
     """
 
     def __init__(self, base_url: str, token: str | None = None, default_timeout_s: float = 120.0,
-                 keepalive_s: float = CLIENT_KEEPALIVE_S, retry: RetryPolicy = RetryPolicy()):
+                 keepalive_s: float = CLIENT_KEEPALIVE_S, retry: RetryPolicy = RetryPolicy(), session: str | None = None):
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if session:
+            self._headers[SESSION_HEADER] = session
         self._timeout_s = default_timeout_s
         self._keepalive_s = keepalive_s
         self._retry = retry

@@ -2,23 +2,31 @@
 
 Lifecycle (``transport.send.send_version`` is what moves a version through it)::
 
-    members = Membership.connect(config, control, metrics, runtime)  # epoch 1; unreachable servers start evicted
-    for version in versions:
+    members = Membership.connect(config, control, metrics, runtime, session)  # epoch 1; unreachable servers
+    for version in versions:                                                  # start evicted
         result = send_version(members, version, plan, source)        # readmits, evicts and rebuilds as needed
-    members.close()
+    members.close()                                                  # releases the servers
 
 An epoch is one set of data-plane groups over one set of servers (group name
-``<group_name>.<session>.<epoch>``, ``session`` random per ``Membership`` so that a restarted trainer
-never reuses a name a server still holds; fresh ports after the first epoch). A new epoch starts
-whenever a server is evicted, a collective fails, or an evicted server answers again. Servers that are out are probed at most every ``readmit_interval_s``;
-one that answers rejoins and gets the next full version (every version is sent whole).
+``<group_name>.<token>.<epoch>``, ``token`` the random part of the trainer session, so that a
+restarted trainer never reuses a name a server still holds; fresh ports after the first epoch). A new
+epoch starts whenever a server is evicted, a collective fails, or an evicted server answers again.
+Servers that are out are probed at most every ``readmit_interval_s``; one that answers rejoins and
+gets the next full version (every version is sent whole).
+
+Every epoch first claims each server for the trainer session (``EngineClient.claim``), so two trainers
+never race for the same servers: at ``connect`` a server another live trainer owns fails the whole
+connect with ``TrainerConflict``; later (another trainer took it over) it is evicted with the owner's
+answer as the reason. ``close`` releases the servers for the next trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -28,6 +36,8 @@ from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient, UnsupportedServer
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.ownership import OWNER_SAYS
+from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.trainer.metrics import SyncMetrics
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
@@ -36,33 +46,62 @@ from asyncsync.transport.topology import GroupLayout, TrainerGroups
 log = logging.getLogger(__name__)
 
 
+RELEASE_S = 2.0  # close() waits at most this long for a server to acknowledge its release
+
+
 class SyncError(RuntimeError):
     """No server could be reached at all; the message lists each server's failure."""
+
+
+class TrainerConflict(SyncError):
+    """At ``connect``, a server belongs to another trainer session that is still alive."""
+
+
+def session_prefix() -> str:
+    """What every session id of this process starts with: which host and process owns a server."""
+    return f"{socket.gethostname()}:{os.getpid()}:"
+
+
+def new_session() -> str:
+    """A trainer session id (one per ``WeightSync``): the random part tells apart two syncs in one
+    process, and names the session's data-plane groups."""
+    return session_prefix() + secrets.token_hex(4)
 
 
 class Membership:
     """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
 
-    def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime):
+    def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
+                 session: str | None = None):
         self.config, self.control, self.metrics, self.runtime = config, control, metrics, runtime
-        self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s) for s in config.servers]
+        self.session = session or new_session()  # sent with every call; its random part names the groups
+        self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s, self.session) for s in config.servers]
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
         self.members: list[EngineClient] = []
         self.evicted: dict[str, str] = {}
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
-        self.session = secrets.token_hex(4)  # in every group name: unique to this trainer session
+        self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
         self._next_probe = 0.0
 
     @classmethod
-    def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime) -> Membership:
-        """Form the first groups; servers that do not answer start evicted. Raises ``SyncError`` when
-        no server at all could join, ``UnsupportedServer`` when one runs a setup its client can never
-        sync (both leave nothing open)."""
-        members = cls(config, control, metrics, runtime)
+    def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
+                session: str | None = None) -> Membership:
+        """Form the first groups, claiming every server (``config.takeover``: even from a live owner);
+        servers that do not answer start evicted. Raises ``SyncError`` when no server at all could
+        join, ``TrainerConflict`` when another live trainer owns a server, ``UnsupportedServer`` when
+        one runs a setup its client can never sync (all leave nothing open)."""
+        members = cls(config, control, metrics, runtime, session)
         try:
-            members.form(members.engines, refuse_unsupported=True)
+            members.form(members.engines, refuse_unsupported=True, takeover=config.takeover)
+            if members.conflicts:
+                this_process = f"{OWNER_SAYS} '{session_prefix()}"
+                who = ("another WeightSync of this process, never closed, still holds these servers: close() it first"
+                       if any(this_process in c for c in members.conflicts.values()) else
+                       "another trainer process already syncs these servers; run one trainer per set of servers "
+                       "(with FSDP or any multi-rank trainer, call connect() and publish() on one rank only)")
+                raise TrainerConflict(f"{who}: " + "; ".join(members.conflicts.values()))
             if not members.members:
                 raise SyncError("no server could join the data plane: " + "; ".join(members.evicted.values()))
         except BaseException:
@@ -95,20 +134,25 @@ class Membership:
 
     # -- epochs ---------------------------------------------------------------------------------
 
-    def form(self, candidates: list[EngineClient], refuse_unsupported: bool = False) -> None:
-        """(Re)build the groups over the candidates that answer, in config order; evict the others
-        (with ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join)."""
+    def form(self, candidates: list[EngineClient], refuse_unsupported: bool = False, takeover: bool = False) -> None:
+        """(Re)build the groups over the candidates that answer and are this session's to claim
+        (``takeover``: even from a live owner), in config order; evict the others (with
+        ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join)."""
         self.drop_group()
+        self.conflicts = {}
         cfg = self.config
         sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
         unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
         if refuse_unsupported and unsupported:
             raise unsupported[0]
         alive = self._drop_unreachable(candidates, sizes)
+        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
+        alive = self._drop_unreachable(alive, claims)
+        token = self.session.rsplit(":", 1)[-1]
         while alive:
             self.epoch += 1
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
-            epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.session}.{self.epoch}",
+            epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
             layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime)
             joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
@@ -161,6 +205,8 @@ class Membership:
         kept = []
         for e in engines:
             answer = answers[e.url]
+            if isinstance(answer, ServerError) and answer.status == OWNED_STATUS:
+                self.conflicts[e.url] = str(answer)
             if isinstance(answer, BaseException):
                 self.evict(e.url, str(answer) or type(answer).__name__)
             else:
@@ -180,10 +226,21 @@ class Membership:
             self.form([e for e in self.engines if e in self.members or e in back])
 
     def close(self) -> None:
-        """Close every server's connections and the groups; bounded, never raises."""
+        """Release the servers in the groups, close every server's connections and the groups;
+        bounded, never raises."""
+        members = {e.url for e in self.members}
+
+        async def release_and_close(e: EngineClient) -> None:
+            if e.url in members:
+                try:
+                    await asyncio.wait_for(e.release(), RELEASE_S)
+                except asyncio.TimeoutError:
+                    log.warning("%s did not acknowledge its release within %.0fs", e.url, RELEASE_S)
+            await e.close()
+
         if not self.control.loop.is_closed():
             try:
-                self.control.run(gather(self.engines, lambda e: e.close()), timeout=10)
+                self.control.run(gather(self.engines, release_and_close), timeout=10)
             except Exception as e:  # closing is best effort: the sockets go with the process anyway
                 log.warning("closing the control-plane sessions failed: %s", e)
         self.drop_group()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -52,7 +53,9 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     """Broadcast every bucket of ``plan`` from ``source`` and have every member apply ``version``.
 
     The time ``source.bucket`` takes is counted as ``pack_s``. Never raises for a server's failure:
-    see ``result.failures`` and the metrics' events."""
+    see ``result.failures`` and the metrics' events. Raises what ``source.bucket`` raised when a
+    bucket cannot be packed half-way (the trainer's fault): the group is dropped at once so no server
+    waits out a deadline, no server applies the version, and a new epoch is formed before raising."""
     cfg = members.config
     members.readmit()
     result = result or SyncResult(version, plan.total_bytes, len(plan.buckets))
@@ -105,6 +108,16 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         members.drop_group(broken=True)
     t0 = time.perf_counter()
     updated = _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+    if isinstance(broken, PackFailed):
+        # The trainer abandoned the version: every server's update failed with the dropped group (and
+        # was aborted), none is sent ``end``, so each keeps serving its last complete version. No
+        # server is to blame: a new epoch over the same servers, then the caller hears why.
+        members.form(engines)
+        cause, broken = broken.cause, None
+        try:
+            raise cause
+        finally:
+            del cause  # no cycle through this frame: the group it held goes with the caller's exception
     took = [e for e in engines if not isinstance(updated[e.url], BaseException)]
     ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
@@ -152,10 +165,19 @@ def _answered_early(posted: dict[str, concurrent.futures.Future[Any]]) -> str | 
     return None
 
 
+@dataclass(frozen=True)
+class PackFailed:
+    """``source.bucket`` raised half-way through a version (a tensor freed or resized by another
+    thread since the version was checked): the version cannot be completed."""
+
+    cause: Exception
+
+
 def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, result: SyncResult,
-               deadlines: tuple[float, ...], posted: dict[str, concurrent.futures.Future[Any]]) -> str | None:
+               deadlines: tuple[float, ...], posted: dict[str, concurrent.futures.Future[Any]]) -> str | PackFailed | None:
     """Every bucket, each with its deadline, then the checksum manifest; returns what broke the data
-    plane, as text (an exception kept here would hold the group's sockets through its traceback)."""
+    plane, as text (an exception kept here would hold the group's sockets through its traceback), or
+    the packing failure that abandoned the version."""
     assert members.group is not None
     group, works, crcs = members.group, [], []
     depth = source.depth
@@ -168,7 +190,11 @@ def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, resu
             if stopped is not None:
                 break
             t0 = time.perf_counter()
-            buf, crc = source.bucket(bucket)
+            try:
+                buf, crc = source.bucket(bucket)
+            except Exception as e:
+                log.error("version %d abandoned: bucket %d could not be packed: %s", result.version, i, e)
+                return PackFailed(e)
             result.pack_s += time.perf_counter() - t0
             if crc is not None:
                 crcs.append(crc)

@@ -9,10 +9,17 @@ Routes (JSON in and out)::
     GET  /weights/names     {"names": [...]}       the tensor names every version must carry
     POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
                             -> {"completions": [[ids]], "weight_version": v}
+    POST /claim             ClaimRequest -> {"ok": true, "owner": session}   (423 if another trainer owns it)
+    POST /release           -> {"released": bool}   the calling trainer session is done with this server
     POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
     POST /begin             {"version": v}
     POST /update            UpdateRequest; answered once every bucket is received and verified
     POST /end               {"version": v} -> {"version": v}   swaps the staged version in
+
+One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
+its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
+another session than the owner are answered 423 until the owner is gone (released, its rendezvous
+store dead, or silent for ``trainer_lease_s``).
 
 It also speaks SGLang 0.5.23's weight-update API (``asyncsync.receivers.reference.sglang_api``), so a config may
 address it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang 0.5.20 (no update sessions).
@@ -39,8 +46,11 @@ from aiohttp import web
 
 from asyncsync.models import generate
 from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.specs import distinct_tensors
-from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest, VersionRequest, WireError
+from asyncsync.protocol.wire import (
+    OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest, WireError,
+)
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.transport.control import new_event_loop
@@ -50,6 +60,15 @@ log = logging.getLogger(__name__)
 MAX_NEW_TOKENS = 4096
 MAX_SAMPLES = 256
 SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the weight-update group
+# A trainer that made no call for this long while its store still answers (hung) loses the server to
+# the next claim: the collective deadline's default, past which its broadcasts would fail anyway.
+TRAINER_LEASE_S = 120.0
+# Calls that change what the server receives or serves: only the owning trainer session may make them.
+WEIGHT_ROUTES = frozenset({
+    "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
+    "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
+    "/continue_generation",
+})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -72,10 +91,11 @@ class ReferenceServer:
     """Holds the model, the receiver and the two worker threads behind the routes."""
 
     def __init__(self, model: torch.nn.Module, token: str | None = None, faults: Faults = Faults(),
-                 sglang_sessions: bool = True):
+                 sglang_sessions: bool = True, trainer_lease_s: float = TRAINER_LEASE_S):
         self.model = model
         self.token = token
         self.faults = faults
+        self.owners = TrainerOwnership(trainer_lease_s)
         self.serve_lock = threading.Lock()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA).
@@ -85,13 +105,14 @@ class ReferenceServer:
                                 functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._delay],
+        app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],
                               client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
             web.get("/weights/names", self.names),
-            web.post("/generate", self.generate), web.post("/init_group", self.init_group),
+            web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
+            web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
             *self.sglang.routes(),
         ])
@@ -113,6 +134,16 @@ class ReferenceServer:
         return await handler(request)
 
     @web.middleware
+    async def _owned(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Renew the owner's lease on each of its calls; refuse weight-update calls from anyone else.
+        The slow path (another session: the owner's store may be probed) runs off the event loop."""
+        session = _session(request)
+        self.owners.seen(session)
+        if request.path in WEIGHT_ROUTES and not self.owners.admits(session):
+            await asyncio.to_thread(self.owners.check, session)
+        return await handler(request)
+
+    @web.middleware
     async def _delay(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         delay = self.faults.delay_for(request.path)
@@ -130,6 +161,8 @@ class ReferenceServer:
             return _error(409, str(e))
         except DataPlaneError as e:
             return _error(503, str(e))
+        except OwnedByAnotherTrainer as e:
+            return _error(OWNED_STATUS, str(e))
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -173,9 +206,18 @@ class ReferenceServer:
         completions, version = await self._run(self._gen, run)
         return web.json_response({"completions": completions, "weight_version": version})
 
+    async def claim(self, request: web.Request) -> web.Response:
+        req = ClaimRequest.from_json(await _json(request))
+        await asyncio.to_thread(self.owners.claim, req.session, req.takeover)  # may probe the owner's store
+        return web.json_response({"ok": True, "owner": req.session})
+
+    async def release(self, request: web.Request) -> web.Response:
+        return web.json_response({"released": self.owners.release(_session(request))})
+
     async def init_group(self, request: web.Request) -> web.Response:
         req = InitGroupRequest.from_json(await _json(request))
         await self._run(self._comm, self.receiver.join, req.group, req.rank_offset)
+        self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 
     async def begin(self, request: web.Request) -> web.Response:
@@ -195,6 +237,11 @@ class ReferenceServer:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
         version = await self._run(self._comm, self.receiver.commit, req.version)
         return web.json_response({"version": version})
+
+
+def _session(request: web.Request) -> str:
+    """The calling trainer's session ("" for callers that send none)."""
+    return request.headers.get(SESSION_HEADER, "")
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -218,7 +265,8 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults()) -> None:
+def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults(),
+               trainer_lease_s: float = TRAINER_LEASE_S) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
-    app = ReferenceServer(model, token, faults).app()
+    app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s).app()
     web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

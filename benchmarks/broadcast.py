@@ -15,9 +15,13 @@ each ratio compares runs that saw the same machine. Writes benchmarks/results/br
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +35,22 @@ from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.trainer.source import named_tensors
 from asyncsync.receivers.reference.launch import ServerProcess, running
+from benchmarks import netns
 from benchmarks.common import RESULTS, write_json
+from benchmarks.netns import Link
 
 QWEN2_05B_HALF = ModelConfig(
     family="qwen2", vocab_size=151936, hidden_size=448, intermediate_size=2432, num_layers=24,
     num_heads=14, num_kv_heads=2, tie_word_embeddings=True, dtype="bfloat16",
 )
+
+
+# On plain loopback the wire is a memcpy on the cores that also pack and verify (CPU contention);
+# on an emulated link the wire is the bottleneck, as on a cluster.
+TARGETS = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
+LINK_TARGETS = {"sync_vs_flat": 0.95, "sync_vs_flat_at_gbit": [4.0, 8.0],
+                "sync_vs_per_tensor": 2.0, "sync_vs_per_tensor_at_delay_us": 25.0}
+LINK_RUN_TIMEOUT_S = 1200.0  # one link's rows: model, servers and every round, with room to spare
 
 
 def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
@@ -101,24 +115,83 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: 
                 p.kill()
 
 
+def row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any], link: Link | None) -> dict[str, Any]:
+    """One row of the results: the measured seconds, GB/s and the two ratios, and the link they crossed."""
+    return {
+        "receivers": receivers, "link_gbit": link.gbit if link else None, "link_delay_us": link.delay_us if link else 0.0,
+        "model_mb": nbytes / 1e6, "tensors": tensors, **m,
+        "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
+        "sync_gbps": nbytes / m["sync_s"] / 1e9,
+        "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
+    }
+
+
+def where(r: dict[str, Any]) -> str:
+    if r["link_gbit"] is None:
+        return "loopback"
+    return Link(r["link_gbit"], r["link_delay_us"]).describe()
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"[{where(r)}] {r['receivers']} receiver(s): {r['model_mb']:.0f} MB, {r['tensors']} tensors, {r['buckets']} buckets | "
+          f"raw flat {r['flat_s']:.3f}s ({r['flat_gbps']:.2f} GB/s) | "
+          f"per tensor {r['per_tensor_s']:.3f}s ({r['per_tensor_gbps']:.2f} GB/s) | "
+          f"asyncsync {r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s) | "
+          f"sync/flat {r['sync_vs_flat']:.2f}x, sync/per-tensor {r['sync_vs_per_tensor']:.2f}x", flush=True)
+
+
+def measure_here(receivers: list[int], repeats: int, bucket_bytes: int) -> list[dict[str, Any]]:
+    """Rows for each receiver count, measured on whatever loopback this process sees."""
+    model = build_model(QWEN2_05B_HALF)
+    named = named_tensors(model)
+    nbytes = sum(t.nbytes for t in named.values())
+    return [row(n, nbytes, len(named), measure(model, n, repeats, bucket_bytes), None) for n in receivers]
+
+
+def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]] | str:
+    """The same rows measured in a network namespace whose loopback is shaped as ``link``
+    (``benchmarks.netns``), or the reason it could not be made."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "benchmarks.broadcast", "--rows-json", str(out), "--repeats", str(args.repeats),
+               "--bucket-bytes", args.bucket_bytes, "--receivers", *map(str, args.receivers)]
+        done = netns.run(link, cmd, timeout_s=LINK_RUN_TIMEOUT_S)
+        if done.skipped is not None:
+            return done.skipped
+        if done.returncode != 0:
+            raise RuntimeError(f"the broadcast benchmark on a {link.describe()} link exited with code {done.returncode}")
+        measured = json.loads(out.read_text())
+    return [{**r, "link_gbit": link.gbit, "link_delay_us": link.delay_us} for r in measured]
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """One panel per setting (loopback, then each link), bars per receiver count; on a link, a dashed
+    line marks each receiver's share of it (the trainer sends every byte once per receiver)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    settings = list(dict.fromkeys(where(r) for r in rows))
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 4.2), squeeze=False)
     labels = ["raw flat", "asyncsync sync", "per tensor"]
     keys = ["flat_gbps", "sync_gbps", "per_tensor_gbps"]
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.25
-    for i, (label, key) in enumerate(zip(labels, keys)):
-        xs = [r["receivers"] + (i - 1) * width for r in rows]
-        bars = ax.bar(xs, [r[key] for r in rows], width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks([r["receivers"] for r in rows], [f"{r['receivers']} receiver(s)" for r in rows])
-    ax.set_ylabel("GB/s (model bytes / wall time)")
-    ax.set_title(f"{rows[0]['model_mb']:.0f} MB model, gloo on loopback, CPU only")
-    ax.legend()
+    for ax, setting in zip(axes[0], settings):
+        here = [r for r in rows if where(r) == setting]
+        for i, (label, key) in enumerate(zip(labels, keys)):
+            xs = [r["receivers"] + (i - 1) * width for r in here]
+            bars = ax.bar(xs, [r[key] for r in here], width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        for r in here:
+            if r["link_gbit"] is not None:
+                share = r["link_gbit"] / 8 / r["receivers"]
+                ax.hlines(share, r["receivers"] - 1.5 * width, r["receivers"] + 1.5 * width, colors="k", linestyles="dashed")
+        ax.set_xticks([r["receivers"] for r in here], [f"{r['receivers']} receiver(s)" for r in here])
+        ax.set_title(setting)
+    axes[0][0].set_ylabel("GB/s (model bytes / wall time)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['model_mb']:.0f} MB model, gloo, CPU only; dashed: the link's share per receiver")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -128,32 +201,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-bytes", default="64MiB")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--link-gbit", type=float, nargs="*", default=[4.0, 8.0, 16.0],
+                        help="emulated link rates (gbit/s) to measure on besides plain loopback; none: loopback only")
+    parser.add_argument("--link-delay-us", type=float, nargs="+", default=[0.0, 25.0],
+                        help="one-way delays (us) to add on each emulated link (netem); 0: none")
+    parser.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback rows")
+    parser.add_argument("--rows-json", help=argparse.SUPPRESS)  # inside a link: measure, write rows here, stop
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     bucket_bytes = parse_bytes(args.bucket_bytes, "--bucket-bytes")
+    if args.rows_json:
+        Path(args.rows_json).write_text(json.dumps(measure_here(args.receivers, args.repeats, bucket_bytes)))
+        return
 
-    model = build_model(QWEN2_05B_HALF)
-    named = named_tensors(model)
-    nbytes = sum(t.nbytes for t in named.values())
-    rows = []
-    for n in args.receivers:
-        m = measure(model, n, args.repeats, bucket_bytes)
-        row = {
-            "receivers": n, "model_mb": nbytes / 1e6, "tensors": len(named), **m,
-            "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
-            "sync_gbps": nbytes / m["sync_s"] / 1e9,
-            "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
-        }
-        rows.append(row)
-        print(f"{n} receiver(s): {nbytes / 1e6:.0f} MB, {len(named)} tensors, {row['buckets']} buckets | "
-              f"raw flat {m['flat_s']:.3f}s ({row['flat_gbps']:.2f} GB/s) | "
-              f"per tensor {m['per_tensor_s']:.3f}s ({row['per_tensor_gbps']:.2f} GB/s) | "
-              f"asyncsync {m['sync_s']:.3f}s ({row['sync_gbps']:.2f} GB/s) | "
-              f"sync/flat {row['sync_vs_flat']:.2f}x (target >= 0.9x), "
-              f"sync/per-tensor {row['sync_vs_per_tensor']:.2f}x (target >= 2x)", flush=True)
-    targets = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
-    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": targets, "rows": rows})
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    if not args.no_loopback:
+        rows += measure_here(args.receivers, args.repeats, bucket_bytes)
+        for r in rows:
+            report(r)
+    for gbit in args.link_gbit:
+        for delay in args.link_delay_us:
+            link = Link(gbit, delay)
+            measured = measure_on_link(link, args)
+            if isinstance(measured, str):
+                print(f"[{link.describe()}] skipped: {measured}", flush=True)
+                skipped.append({"link_gbit": gbit, "link_delay_us": delay, "reason": measured})
+                continue
+            for r in measured:
+                report(r)
+            rows += measured
+    if not rows:
+        raise SystemExit("nothing was measured: every link was skipped and --no-loopback was given")
+    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
+                                    "link_targets": LINK_TARGETS, "rows": rows, "skipped": skipped})
     plot(rows, str(RESULTS / "broadcast.png"))
     print(f"wrote {path} and {RESULTS / 'broadcast.png'}")
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from asyncsync.config import WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, check_tensors, weights_device
@@ -116,7 +116,7 @@ class WeightSync:
             if self.is_async:
                 self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet(runtime), self.metrics)
             else:
-                self._ring = buffers(slots=2)
+                self._ring = buffers(slots=RING_SLOTS)
         except BaseException:
             self.close()
             raise

@@ -6,10 +6,18 @@ receivers it measures, side by side:
   - per tensor:  one broadcast per tensor (what a naive sync does);
   - asyncsync:   WeightSync.publish to reference servers: plan, pack, checksum, broadcast, verify,
                  stage and swap in on every server, HTTP control included.
-All three on gloo over loopback, interleaved round by round (flat, per tensor, sync, repeat) so
-each ratio compares runs that saw the same machine. Writes benchmarks/results/broadcast.{json,png}.
+All three on gloo, interleaved round by round (flat, per tensor, sync, repeat) so each ratio
+compares runs that saw the same machine, in two regimes:
+  - plain loopback (rows with ``link_gbit: null``): the wire is a kernel memcpy on the same cores
+    that pack, checksum and verify, so the ratios measure CPU contention;
+  - emulated links (``link_gbit: R``, ``link_delay_us: D``): the same measurement inside a network
+    namespace whose loopback is shaped to R gbit/s (+ D us each way), as ``benchmarks.netns`` makes
+    it; every byte to every receiver crosses that one link, so the wire is the bottleneck, as on a
+    cluster. A link that cannot be made here is listed under ``skipped`` with the reason.
+Writes benchmarks/results/broadcast.{json,png}.
 
-    python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB]
+    python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB] [--link-gbit 4 8 16]
+                                   [--link-delay-us 0 25] [--no-loopback]
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ QWEN2_05B_HALF = ModelConfig(
 TARGETS = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
 LINK_TARGETS = {"sync_vs_flat": 0.95, "sync_vs_flat_at_gbit": [4.0, 8.0],
                 "sync_vs_per_tensor": 2.0, "sync_vs_per_tensor_at_delay_us": 25.0}
+# Rounds of each block not measured: a receiver allocates its two buffer sets (the one it serves
+# from and the one it receives into) in the first two versions of a layout.
+WARMUP_ROUNDS = 2
 LINK_RUN_TIMEOUT_S = 1200.0  # one link's rows: model, servers and every round, with room to spare
 
 
@@ -68,45 +79,58 @@ def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tu
     group.close()
 
 
-def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: list[int]) -> dict[str, Any]:
     """Seconds for a raw flat broadcast, a tensor-by-tensor broadcast and a blocking sync of the same
-    bytes to ``receivers`` receivers, interleaved round by round so all three see the same machine."""
+    bytes to ``receivers`` receivers, interleaved round by round so all three see the same machine.
+
+    One block of rounds per bucket size (a sync connects once per block); the first size gives the
+    row's figures, every size an entry of ``bucket_sweep`` with its block's flat and sync medians."""
     named = named_tensors(model)
     spec = GroupSpec("127.0.0.1", free_port(), receivers + 1, "raw", "gloo", 300.0)
     shapes = [(t.dtype, tuple(t.shape)) for t in named.values()]
+    rounds = repeats + WARMUP_ROUNDS
     ctx = mp.get_context("spawn")
-    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, repeats + 1), daemon=True) for r in range(1, receivers + 1)]
+    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, rounds * len(bucket_sizes)), daemon=True)
+           for r in range(1, receivers + 1)]
     servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
     try:
         for p in raw:
             p.start()
         group = DataPlaneGroup.join(spec, 0, HostRuntime())
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
+        blocks, version = [], 0
         with running(servers):
-            cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
-            with WeightSync(cfg) as sync:
-                sync.connect(model)
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
-                times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
-                results = []
-                for round_ in range(repeats + 1):  # round 0 warms every path up
-                    t0 = time.perf_counter()
-                    group.broadcast(flat)
-                    group.barrier()
-                    t1 = time.perf_counter()
-                    for t in named.values():
-                        group.broadcast(t)
-                    group.barrier()
-                    t2 = time.perf_counter()
-                    results.append(sync.publish(model, round_ + 1))
-                    t3 = time.perf_counter()
-                    if round_:
-                        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
-                            times[key].append(dt)
-                last = results[-1]
-                out = {k: statistics.median(v) for k, v in times.items()}
-                out.update(buckets=last.buckets, pack_backend=sync.pack_backend,
-                           last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
+            for bucket_bytes in bucket_sizes:
+                cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
+                with WeightSync(cfg) as sync:
+                    sync.connect(model)
+                    times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
+                    for round_ in range(rounds):
+                        t0 = time.perf_counter()
+                        group.broadcast(flat)
+                        group.barrier()
+                        t1 = time.perf_counter()
+                        for t in named.values():
+                            group.broadcast(t)
+                        group.barrier()
+                        t2 = time.perf_counter()
+                        version += 1
+                        last = sync.publish(model, version)
+                        t3 = time.perf_counter()
+                        if round_ >= WARMUP_ROUNDS:
+                            for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                                times[key].append(dt)
+                    assert last is not None
+                    block = {k: statistics.median(v) for k, v in times.items()}
+                    block.update(bucket_bytes=bucket_bytes, buckets=last.buckets, buffer_bytes=sync.buffer_bytes,
+                                 pack_backend=sync.pack_backend,
+                                 last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
+                    blocks.append(block)
         group.close()
+        main = blocks[0]
+        out = {k: main[k] for k in ("flat_s", "per_tensor_s", "sync_s", "buckets", "pack_backend", "last")}
+        out["bucket_sweep"] = [{k: b[k] for k in ("bucket_bytes", "buckets", "buffer_bytes", "flat_s", "sync_s")}
+                               | {"sync_vs_flat": b["flat_s"] / b["sync_s"]} for b in blocks]
         return out
     finally:
         for p in raw:
@@ -138,14 +162,16 @@ def report(r: dict[str, Any]) -> None:
           f"per tensor {r['per_tensor_s']:.3f}s ({r['per_tensor_gbps']:.2f} GB/s) | "
           f"asyncsync {r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s) | "
           f"sync/flat {r['sync_vs_flat']:.2f}x, sync/per-tensor {r['sync_vs_per_tensor']:.2f}x", flush=True)
+    sweep = ", ".join(f"{b['bucket_bytes'] / 2**20:.0f} MiB {b['sync_vs_flat']:.2f}x" for b in r["bucket_sweep"])
+    print(f"    sync/flat by bucket size: {sweep}", flush=True)
 
 
-def measure_here(receivers: list[int], repeats: int, bucket_bytes: int) -> list[dict[str, Any]]:
+def measure_here(receivers: list[int], repeats: int, bucket_sizes: list[int]) -> list[dict[str, Any]]:
     """Rows for each receiver count, measured on whatever loopback this process sees."""
     model = build_model(QWEN2_05B_HALF)
     named = named_tensors(model)
     nbytes = sum(t.nbytes for t in named.values())
-    return [row(n, nbytes, len(named), measure(model, n, repeats, bucket_bytes), None) for n in receivers]
+    return [row(n, nbytes, len(named), measure(model, n, repeats, bucket_sizes), None) for n in receivers]
 
 
 def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]] | str:
@@ -154,7 +180,8 @@ def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "benchmarks.broadcast", "--rows-json", str(out), "--repeats", str(args.repeats),
-               "--bucket-bytes", args.bucket_bytes, "--receivers", *map(str, args.receivers)]
+               "--bucket-bytes", args.bucket_bytes, "--bucket-sweep", *args.bucket_sweep,
+               "--receivers", *map(str, args.receivers)]
         done = netns.run(link, cmd, timeout_s=LINK_RUN_TIMEOUT_S)
         if done.skipped is not None:
             return done.skipped
@@ -173,7 +200,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     settings = list(dict.fromkeys(where(r) for r in rows))
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(settings) + 1, figsize=(4.2 * (len(settings) + 1), 4.2), squeeze=False)
     labels = ["raw flat", "asyncsync sync", "per tensor"]
     keys = ["flat_gbps", "sync_gbps", "per_tensor_gbps"]
     width = 0.25
@@ -189,6 +216,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
                 ax.hlines(share, r["receivers"] - 1.5 * width, r["receivers"] + 1.5 * width, colors="k", linestyles="dashed")
         ax.set_xticks([r["receivers"] for r in here], [f"{r['receivers']} receiver(s)" for r in here])
         ax.set_title(setting)
+    sweep_ax = axes[0][-1]
+    for r in rows:
+        sweep = sorted(r["bucket_sweep"], key=lambda b: b["bucket_bytes"])
+        sweep_ax.plot([b["bucket_bytes"] / 2**20 for b in sweep], [b["sync_vs_flat"] for b in sweep], marker="o",
+                      label=f"{where(r)}, {r['receivers']} recv.")
+    sweep_ax.set_xscale("log", base=2)
+    sweep_ax.set_xlabel("bucket_bytes (MiB)")
+    sweep_ax.set_ylabel("sync / raw flat")
+    sweep_ax.set_title("by bucket size")
+    sweep_ax.legend(fontsize=6)
     axes[0][0].set_ylabel("GB/s (model bytes / wall time)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{rows[0]['model_mb']:.0f} MB model, gloo, CPU only; dashed: the link's share per receiver")
@@ -199,7 +236,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-bytes", default="64MiB")
+    parser.add_argument("--bucket-bytes", default="64MiB", help="the bucket size of the rows' sync figures")
+    parser.add_argument("--bucket-sweep", nargs="*", default=["16MiB", "32MiB", "128MiB", "512MiB"],
+                        help="more bucket sizes whose sync is measured too (each row's bucket_sweep)")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--link-gbit", type=float, nargs="*", default=[4.0, 8.0, 16.0],
                         help="emulated link rates (gbit/s) to measure on besides plain loopback; none: loopback only")
@@ -211,14 +250,15 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     bucket_bytes = parse_bytes(args.bucket_bytes, "--bucket-bytes")
+    bucket_sizes = [bucket_bytes, *(parse_bytes(b, "--bucket-sweep") for b in args.bucket_sweep)]
     if args.rows_json:
-        Path(args.rows_json).write_text(json.dumps(measure_here(args.receivers, args.repeats, bucket_bytes)))
+        Path(args.rows_json).write_text(json.dumps(measure_here(args.receivers, args.repeats, bucket_sizes)))
         return
 
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     if not args.no_loopback:
-        rows += measure_here(args.receivers, args.repeats, bucket_bytes)
+        rows += measure_here(args.receivers, args.repeats, bucket_sizes)
         for r in rows:
             report(r)
     for gbit in args.link_gbit:

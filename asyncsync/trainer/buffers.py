@@ -33,10 +33,12 @@ from asyncsync.trainer.source import check_layout
 
 Crc = int | torch.Tensor | None
 
-# Buffers in blocking mode's ring. On a link-bound data plane each bucket must be packed before the
-# broadcasts ahead of it drain; with 2, both buffers are often on the wire at once (gloo runs two
-# broadcasts concurrently) and the link idles while the next bucket is packed. 4 keeps two buckets
-# packed and queued behind the two on the wire (benchmarks/broadcast.py on an emulated link).
+# Buffers in blocking mode's ring. On a link-bound data plane the next bucket must be packed before
+# the broadcasts ahead of it drain. gloo runs two broadcasts of a group at once, so with 2 buffers
+# both are often on the wire together, finish together, and the link idles while the next bucket is
+# packed; 4 keeps up to two packed buckets queued behind the two on the wire, a margin for a packing
+# thread the scheduler holds back. (On the shared 2-core machine, 2, 3 and 4 measured within noise
+# of each other once single-tensor buckets were sent in place; 4 is chosen by this reasoning.)
 RING_SLOTS = 4
 
 

@@ -45,7 +45,8 @@ RING_SLOTS = 4
 class PackedBuffers:
     """Flat uint8 buffers for ``plan``'s buckets and the CRC32C of what was last packed into each.
 
-    ``slots=None``: one buffer per bucket (a snapshot). ``slots=k``: a ring for sending from the live
+    ``slots=None``: one buffer per bucket (a snapshot; every bucket is packed, also by ``packing``,
+    so the bytes sent are a copy). ``slots=k``: a ring for sending from the live
     weights (``packing``): k buffers of the largest multi-tensor bucket's size, reused in turn by the
     multi-tensor buckets; a bucket of one tensor is sent from the tensor itself. ``reuses`` names the
     earlier bucket whose broadcast must finish before a bucket is packed (``send_version`` waits)."""
@@ -117,7 +118,6 @@ class PackedBuffers:
     def packing(self, named: Mapping[str, torch.Tensor]) -> PackOnDemand:
         """A source for ``send_version`` that packs each bucket from ``named`` when it is asked for;
         raises ``LayoutChanged`` (or ``UnpackableTensor``) now, before anything is sent."""
-        assert self.slots is not None, "packing on demand needs a ring (slots=k)"
         check_layout(self.plan, named, self.device)
         return PackOnDemand(self, named)
 

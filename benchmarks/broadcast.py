@@ -6,18 +6,30 @@ receivers it measures, side by side:
   - per tensor:  one broadcast per tensor (what a naive sync does);
   - asyncsync:   WeightSync.publish to reference servers: plan, pack, checksum, broadcast, verify,
                  stage and swap in on every server, HTTP control included.
-All three on gloo over loopback, interleaved round by round (flat, per tensor, sync, repeat) so
-each ratio compares runs that saw the same machine. Writes benchmarks/results/broadcast.{json,png}.
+All three on gloo, interleaved round by round (flat, per tensor, sync, repeat) so each ratio
+compares runs that saw the same machine, in two regimes:
+  - plain loopback (rows with ``link_gbit: null``): the wire is a kernel memcpy on the same cores
+    that pack, checksum and verify, so the ratios measure CPU contention;
+  - emulated links (``link_gbit: R``, ``link_delay_us: D``): the same measurement inside a network
+    namespace whose loopback is shaped to R gbit/s (+ D us each way), as ``benchmarks.netns`` makes
+    it; every byte to every receiver crosses that one link, so the wire is the bottleneck, as on a
+    cluster. A link that cannot be made here is listed under ``skipped`` with the reason.
+Writes benchmarks/results/broadcast.{json,png}.
 
-    python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB]
+    python -m benchmarks.broadcast [--repeats 5] [--bucket-bytes 64MiB] [--link-gbit 4 8 16]
+                                   [--link-delay-us 0 25] [--no-loopback]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +43,25 @@ from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.trainer.source import named_tensors
 from asyncsync.receivers.reference.launch import ServerProcess, running
+from benchmarks import netns
 from benchmarks.common import RESULTS, write_json
+from benchmarks.netns import Link
 
 QWEN2_05B_HALF = ModelConfig(
     family="qwen2", vocab_size=151936, hidden_size=448, intermediate_size=2432, num_layers=24,
     num_heads=14, num_kv_heads=2, tie_word_embeddings=True, dtype="bfloat16",
 )
+
+
+# On plain loopback the wire is a memcpy on the cores that also pack and verify (CPU contention);
+# on an emulated link the wire is the bottleneck, as on a cluster.
+TARGETS = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
+LINK_TARGETS = {"sync_vs_flat": 0.95, "sync_vs_flat_at_gbit": [4.0, 8.0],
+                "sync_vs_per_tensor": 2.0, "sync_vs_per_tensor_at_delay_us": 25.0}
+# Rounds of each block not measured: a receiver allocates its two buffer sets (the one it serves
+# from and the one it receives into) in the first two versions of a layout.
+WARMUP_ROUNDS = 2
+LINK_RUN_TIMEOUT_S = 1200.0  # one link's rows: model, servers and every round, with room to spare
 
 
 def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
@@ -54,45 +79,58 @@ def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tu
     group.close()
 
 
-def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: list[int]) -> dict[str, Any]:
     """Seconds for a raw flat broadcast, a tensor-by-tensor broadcast and a blocking sync of the same
-    bytes to ``receivers`` receivers, interleaved round by round so all three see the same machine."""
+    bytes to ``receivers`` receivers, interleaved round by round so all three see the same machine.
+
+    One block of rounds per bucket size (a sync connects once per block); the first size gives the
+    row's figures, every size an entry of ``bucket_sweep`` with its block's flat and sync medians."""
     named = named_tensors(model)
     spec = GroupSpec("127.0.0.1", free_port(), receivers + 1, "raw", "gloo", 300.0)
     shapes = [(t.dtype, tuple(t.shape)) for t in named.values()]
+    rounds = repeats + WARMUP_ROUNDS
     ctx = mp.get_context("spawn")
-    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, repeats + 1), daemon=True) for r in range(1, receivers + 1)]
+    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, rounds * len(bucket_sizes)), daemon=True)
+           for r in range(1, receivers + 1)]
     servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
     try:
         for p in raw:
             p.start()
         group = DataPlaneGroup.join(spec, 0, HostRuntime())
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
+        blocks, version = [], 0
         with running(servers):
-            cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
-            with WeightSync(cfg) as sync:
-                sync.connect(model)
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
-                times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
-                results = []
-                for round_ in range(repeats + 1):  # round 0 warms every path up
-                    t0 = time.perf_counter()
-                    group.broadcast(flat)
-                    group.barrier()
-                    t1 = time.perf_counter()
-                    for t in named.values():
-                        group.broadcast(t)
-                    group.barrier()
-                    t2 = time.perf_counter()
-                    results.append(sync.publish(model, round_ + 1))
-                    t3 = time.perf_counter()
-                    if round_:
-                        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
-                            times[key].append(dt)
-                last = results[-1]
-                out = {k: statistics.median(v) for k, v in times.items()}
-                out.update(buckets=last.buckets, pack_backend=sync.pack_backend,
-                           last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
+            for bucket_bytes in bucket_sizes:
+                cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
+                with WeightSync(cfg) as sync:
+                    sync.connect(model)
+                    times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
+                    for round_ in range(rounds):
+                        t0 = time.perf_counter()
+                        group.broadcast(flat)
+                        group.barrier()
+                        t1 = time.perf_counter()
+                        for t in named.values():
+                            group.broadcast(t)
+                        group.barrier()
+                        t2 = time.perf_counter()
+                        version += 1
+                        last = sync.publish(model, version)
+                        t3 = time.perf_counter()
+                        if round_ >= WARMUP_ROUNDS:
+                            for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                                times[key].append(dt)
+                    assert last is not None
+                    block = {k: statistics.median(v) for k, v in times.items()}
+                    block.update(bucket_bytes=bucket_bytes, buckets=last.buckets, buffer_bytes=sync.buffer_bytes,
+                                 pack_backend=sync.pack_backend,
+                                 last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
+                    blocks.append(block)
         group.close()
+        main = blocks[0]
+        out = {k: main[k] for k in ("flat_s", "per_tensor_s", "sync_s", "buckets", "pack_backend", "last")}
+        out["bucket_sweep"] = [{k: b[k] for k in ("bucket_bytes", "buckets", "buffer_bytes", "flat_s", "sync_s")}
+                               | {"sync_vs_flat": b["flat_s"] / b["sync_s"]} for b in blocks]
         return out
     finally:
         for p in raw:
@@ -101,24 +139,96 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_bytes: 
                 p.kill()
 
 
+def row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any], link: Link | None) -> dict[str, Any]:
+    """One row of the results: the measured seconds, GB/s and the two ratios, and the link they crossed."""
+    return {
+        "receivers": receivers, "link_gbit": link.gbit if link else None, "link_delay_us": link.delay_us if link else 0.0,
+        "model_mb": nbytes / 1e6, "tensors": tensors, **m,
+        "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
+        "sync_gbps": nbytes / m["sync_s"] / 1e9,
+        "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
+    }
+
+
+def where(r: dict[str, Any]) -> str:
+    if r["link_gbit"] is None:
+        return "loopback"
+    return Link(r["link_gbit"], r["link_delay_us"]).describe()
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"[{where(r)}] {r['receivers']} receiver(s): {r['model_mb']:.0f} MB, {r['tensors']} tensors, {r['buckets']} buckets | "
+          f"raw flat {r['flat_s']:.3f}s ({r['flat_gbps']:.2f} GB/s) | "
+          f"per tensor {r['per_tensor_s']:.3f}s ({r['per_tensor_gbps']:.2f} GB/s) | "
+          f"asyncsync {r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s) | "
+          f"sync/flat {r['sync_vs_flat']:.2f}x, sync/per-tensor {r['sync_vs_per_tensor']:.2f}x", flush=True)
+    sweep = ", ".join(f"{b['bucket_bytes'] / 2**20:.0f} MiB {b['sync_vs_flat']:.2f}x" for b in r["bucket_sweep"])
+    print(f"    sync/flat by bucket size: {sweep}", flush=True)
+
+
+def measure_here(receivers: list[int], repeats: int, bucket_sizes: list[int]) -> list[dict[str, Any]]:
+    """Rows for each receiver count, measured on whatever loopback this process sees."""
+    model = build_model(QWEN2_05B_HALF)
+    named = named_tensors(model)
+    nbytes = sum(t.nbytes for t in named.values())
+    return [row(n, nbytes, len(named), measure(model, n, repeats, bucket_sizes), None) for n in receivers]
+
+
+def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]] | str:
+    """The same rows measured in a network namespace whose loopback is shaped as ``link``
+    (``benchmarks.netns``), or the reason it could not be made."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "benchmarks.broadcast", "--rows-json", str(out), "--repeats", str(args.repeats),
+               "--bucket-bytes", args.bucket_bytes, "--bucket-sweep", *args.bucket_sweep,
+               "--receivers", *map(str, args.receivers)]
+        done = netns.run(link, cmd, timeout_s=LINK_RUN_TIMEOUT_S)
+        if done.skipped is not None:
+            return done.skipped
+        if done.returncode != 0:
+            raise RuntimeError(f"the broadcast benchmark on a {link.describe()} link exited with code {done.returncode}")
+        measured = json.loads(out.read_text())
+    return [{**r, "link_gbit": link.gbit, "link_delay_us": link.delay_us} for r in measured]
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """One panel per setting (loopback, then each link), bars per receiver count; on a link, a dashed
+    line marks each receiver's share of it (the trainer sends every byte once per receiver)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    settings = list(dict.fromkeys(where(r) for r in rows))
+    fig, axes = plt.subplots(1, len(settings) + 1, figsize=(4.2 * (len(settings) + 1), 4.2), squeeze=False)
     labels = ["raw flat", "asyncsync sync", "per tensor"]
     keys = ["flat_gbps", "sync_gbps", "per_tensor_gbps"]
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.25
-    for i, (label, key) in enumerate(zip(labels, keys)):
-        xs = [r["receivers"] + (i - 1) * width for r in rows]
-        bars = ax.bar(xs, [r[key] for r in rows], width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks([r["receivers"] for r in rows], [f"{r['receivers']} receiver(s)" for r in rows])
-    ax.set_ylabel("GB/s (model bytes / wall time)")
-    ax.set_title(f"{rows[0]['model_mb']:.0f} MB model, gloo on loopback, CPU only")
-    ax.legend()
+    for ax, setting in zip(axes[0], settings):
+        here = [r for r in rows if where(r) == setting]
+        for i, (label, key) in enumerate(zip(labels, keys)):
+            xs = [r["receivers"] + (i - 1) * width for r in here]
+            bars = ax.bar(xs, [r[key] for r in here], width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        for r in here:
+            if r["link_gbit"] is not None:
+                share = r["link_gbit"] / 8 / r["receivers"]
+                ax.hlines(share, r["receivers"] - 1.5 * width, r["receivers"] + 1.5 * width, colors="k", linestyles="dashed")
+        ax.set_xticks([r["receivers"] for r in here], [f"{r['receivers']} receiver(s)" for r in here])
+        ax.set_title(setting)
+    sweep_ax = axes[0][-1]
+    for r in rows:
+        sweep = sorted(r["bucket_sweep"], key=lambda b: b["bucket_bytes"])
+        sweep_ax.plot([b["bucket_bytes"] / 2**20 for b in sweep], [b["sync_vs_flat"] for b in sweep], marker="o",
+                      label=f"{where(r)}, {r['receivers']} recv.")
+    sweep_ax.set_xscale("log", base=2)
+    sweep_ax.set_xlabel("bucket_bytes (MiB)")
+    sweep_ax.set_ylabel("sync / raw flat")
+    sweep_ax.set_title("by bucket size")
+    sweep_ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("GB/s (model bytes / wall time)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['model_mb']:.0f} MB model, gloo, CPU only; dashed: the link's share per receiver")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -126,34 +236,46 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-bytes", default="64MiB")
+    parser.add_argument("--bucket-bytes", default="64MiB", help="the bucket size of the rows' sync figures")
+    parser.add_argument("--bucket-sweep", nargs="*", default=["16MiB", "32MiB", "128MiB", "512MiB"],
+                        help="more bucket sizes whose sync is measured too (each row's bucket_sweep)")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--link-gbit", type=float, nargs="*", default=[4.0, 8.0, 16.0],
+                        help="emulated link rates (gbit/s) to measure on besides plain loopback; none: loopback only")
+    parser.add_argument("--link-delay-us", type=float, nargs="+", default=[0.0, 25.0],
+                        help="one-way delays (us) to add on each emulated link (netem); 0: none")
+    parser.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback rows")
+    parser.add_argument("--rows-json", help=argparse.SUPPRESS)  # inside a link: measure, write rows here, stop
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     bucket_bytes = parse_bytes(args.bucket_bytes, "--bucket-bytes")
+    bucket_sizes = [bucket_bytes, *(parse_bytes(b, "--bucket-sweep") for b in args.bucket_sweep)]
+    if args.rows_json:
+        Path(args.rows_json).write_text(json.dumps(measure_here(args.receivers, args.repeats, bucket_sizes)))
+        return
 
-    model = build_model(QWEN2_05B_HALF)
-    named = named_tensors(model)
-    nbytes = sum(t.nbytes for t in named.values())
-    rows = []
-    for n in args.receivers:
-        m = measure(model, n, args.repeats, bucket_bytes)
-        row = {
-            "receivers": n, "model_mb": nbytes / 1e6, "tensors": len(named), **m,
-            "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
-            "sync_gbps": nbytes / m["sync_s"] / 1e9,
-            "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
-        }
-        rows.append(row)
-        print(f"{n} receiver(s): {nbytes / 1e6:.0f} MB, {len(named)} tensors, {row['buckets']} buckets | "
-              f"raw flat {m['flat_s']:.3f}s ({row['flat_gbps']:.2f} GB/s) | "
-              f"per tensor {m['per_tensor_s']:.3f}s ({row['per_tensor_gbps']:.2f} GB/s) | "
-              f"asyncsync {m['sync_s']:.3f}s ({row['sync_gbps']:.2f} GB/s) | "
-              f"sync/flat {row['sync_vs_flat']:.2f}x (target >= 0.9x), "
-              f"sync/per-tensor {row['sync_vs_per_tensor']:.2f}x (target >= 2x)", flush=True)
-    targets = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
-    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": targets, "rows": rows})
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    if not args.no_loopback:
+        rows += measure_here(args.receivers, args.repeats, bucket_sizes)
+        for r in rows:
+            report(r)
+    for gbit in args.link_gbit:
+        for delay in args.link_delay_us:
+            link = Link(gbit, delay)
+            measured = measure_on_link(link, args)
+            if isinstance(measured, str):
+                print(f"[{link.describe()}] skipped: {measured}", flush=True)
+                skipped.append({"link_gbit": gbit, "link_delay_us": delay, "reason": measured})
+                continue
+            for r in measured:
+                report(r)
+            rows += measured
+    if not rows:
+        raise SystemExit("nothing was measured: every link was skipped and --no-loopback was given")
+    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
+                                    "link_targets": LINK_TARGETS, "rows": rows, "skipped": skipped})
     plot(rows, str(RESULTS / "broadcast.png"))
     print(f"wrote {path} and {RESULTS / 'broadcast.png'}")
 

@@ -8,7 +8,12 @@ Two kinds of training step, each run in all three modes in one process:
 Plus publish() latency over many calls, and a timeline of one async step.
 Writes benchmarks/results/overlap.{json,png}.
 
-    python -m benchmarks.overlap [--steps 20] [--publish-calls 2000]
+With ``--link-gbit R`` everything runs in a network namespace whose loopback is an R gbit/s link
+(``benchmarks.netns``; skipped, saying why, where none can be made): the sync is then bound by the
+link, as on a cluster, rather than by the CPU it shares with the step. That run writes
+benchmarks/results/overlap_link.{json,png}, with the same keys and ``link_gbit`` next to the ratios.
+
+    python -m benchmarks.overlap [--steps 20] [--publish-calls 2000] [--link-gbit 8]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -24,6 +30,7 @@ import torch
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.launch import ServerProcess
+from benchmarks import netns
 from benchmarks.common import RESULTS, write_json
 
 MODEL = ModelConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4)
@@ -123,7 +130,8 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax1.bar_label(bars, fmt="%.2f", fontsize=8)
     ax1.set_xticks(range(len(kinds)), ["(a) simulated accelerator\n(host waits)", "(b) real CPU step\n(2 shared cores)"])
     ax1.set_ylabel("training steps / s")
-    ax1.set_title("Throughput, 2 reference servers")
+    link = f", {results['link_gbit']:g} gbit/s link" if results["link_gbit"] else ", loopback"
+    ax1.set_title(f"Throughput, 2 reference servers{link}")
     ax1.legend()
 
     run = results["kinds"]["simulated"]["async"]
@@ -154,8 +162,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--publish-calls", type=int, default=2000)
     parser.add_argument("--bucket-bytes", default="32MiB")
+    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns)")
+    parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)  # already inside the namespace
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.link_gbit and not args.on_link:
+        link = netns.Link(args.link_gbit)
+        done = netns.run(link, [sys.executable, "-m", "benchmarks.overlap", *sys.argv[1:], "--on-link"])
+        if done.skipped is not None:
+            print(f"skipped: cannot emulate a {link.describe()} link here: {done.skipped}")
+            return
+        sys.exit(done.returncode)
+    name = "overlap_link" if args.link_gbit else "overlap"
     torch.set_num_threads(1)
     servers = [ServerProcess(build_model, (MODEL,), start_timeout_s=300) for _ in range(2)]
     try:
@@ -190,11 +208,12 @@ def main() -> None:
           f"async throughput = {ratios['cpu']['async_vs_blocking_throughput']:.2f}x blocking (CPU shared with the sync)")
     print(f"publish() latency over {latency['calls']} calls: p50 {latency['p50_us']:.1f} us, p99 {latency['p99_us']:.1f} us "
           f"(target p99 <= 100 us)")
-    results = {"model_bytes": nbytes, "step_s": step_s, "kinds": kinds, "ratios": ratios, "publish_latency": latency,
+    results = {"model_bytes": nbytes, "step_s": step_s, "kinds": kinds, "ratios": ratios, "link_gbit": args.link_gbit,
+               "publish_latency": latency,
                "note": "(a) simulates an accelerator: the host sleeps while the 'GPU' computes; (b) computes on the CPU"}
-    write_json("overlap", results)
-    plot(results, str(RESULTS / "overlap.png"))
-    print(f"wrote {RESULTS / 'overlap.json'} and {RESULTS / 'overlap.png'}")
+    write_json(name, results)
+    plot(results, str(RESULTS / f"{name}.png"))
+    print(f"wrote {RESULTS / f'{name}.json'} and {RESULTS / f'{name}.png'}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.metrics import SyncMetrics, SyncResult
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.membership import Membership
@@ -144,7 +144,7 @@ class Trainer:
         cfg = self.members.config
         plan = BucketPlan.from_tensors(named.items(), bucket_bytes or cfg.bucket_bytes,
                                        self.members.single_dtype_buckets if single_dtype is None else single_dtype)
-        source: BucketSource = PackedBuffers(plan, CPU, TorchPackBackend(), cfg.checksum, slots=2).packing(named)
+        source: BucketSource = PackedBuffers(plan, CPU, TorchPackBackend(), cfg.checksum, slots=RING_SLOTS).packing(named)
         return send_version(self.members, version, plan, wrap(source) if wrap else source)
 
     def publish(self, named: Mapping[str, torch.Tensor], version: int, **options: object) -> dict[str, int | str]:

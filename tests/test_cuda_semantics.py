@@ -171,7 +171,7 @@ class LateReadingSend:
         self.fake, self.read = fake, {}
 
     def __call__(self, members, version, plan, source, result):  # type: ignore[no-untyped-def]
-        buffers = [source.bucket(b)[0] for b in plan.buckets]
+        buffers = [source.bucket(b) for b in plan.buckets]
 
         def read() -> None:
             time.sleep(0.03)  # the wire

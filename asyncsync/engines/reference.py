@@ -38,7 +38,8 @@ class ReferenceEngine(EngineClient):
         return frozenset((await self.http.get("/weights/names"))["names"])
 
     async def begin(self, version: int) -> None:
-        await self.http.post("/begin", VersionRequest(version).to_json())
+        """Nothing to prepare: the server judges a version in ``/update`` and swaps it in at ``/end``
+        (its ``/begin`` route only validates), so no round trip delays the first bucket's receive."""
 
     async def update(self, request: UpdateRequest) -> None:
         await self.http.post("/update", request.to_json())

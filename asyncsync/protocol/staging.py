@@ -34,16 +34,23 @@ class VersionRejected(Exception):
 
 @dataclass(frozen=True)
 class StagedVersion:
-    """A whole version received and verified in flat buffers, not yet applied."""
+    """A whole version received and verified in flat buffers, not yet applied. ``views`` are typed
+    views of every tensor inside the buffers, in broadcast order (no copy), made while the buckets
+    were still arriving, so that applying a version only swaps tensors in."""
 
     version: int
     buffers: tuple[torch.Tensor, ...]
     buckets: tuple[Bucket, ...]
+    views: tuple[tuple[str, torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, version: int, buffers: tuple[torch.Tensor, ...], buckets: tuple[Bucket, ...]) -> StagedVersion:
+        views = tuple(v for buf, bucket in zip(buffers, buckets) for v in unpack(buf, bucket))
+        return cls(version, buffers, buckets, views)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Typed views of every tensor inside the buffers, in broadcast order (no copy)."""
-        for buf, bucket in zip(self.buffers, self.buckets):
-            yield from unpack(buf, bucket)
+        """Every tensor's view, in broadcast order."""
+        return iter(self.views)
 
 
 @dataclass(frozen=True)
@@ -107,27 +114,32 @@ class BucketStager:
         ``VersionRejected`` after the last broadcast if anything is wrong."""
         group = self._require_group()
         self.discard()
-        buckets = [meta.to_bucket(i) for i, meta in enumerate(req.buckets)]
-        specs = [s for b in buckets for s in b.specs]
-        problems = self._check_specs(specs, set()) + self._check_complete(buckets, req.version, served_version)
         target = self._set_for(req.buckets)
-        # Every receive is posted at once; gloo runs them in order while earlier buckets are checksummed.
-        # Each wait returns only once its bucket has arrived (the group's waits block the host), so
-        # nothing is verified, and no answer given, before the data is really in the buffers.
+        # Every receive is posted first, the manifest's too (it then lands while the last bucket is
+        # checksummed), and what needs no bytes (checks, views) is done while they arrive; gloo runs
+        # the receives in order while earlier buckets are checksummed. Each wait returns only once its
+        # bucket has arrived (the group's waits block the host), so nothing is verified, and no answer
+        # given, before the data is really in the buffers.
+        n = len(req.buckets)
         works = [group.broadcast_async(buf, req.deadline_s(i)) for i, buf in enumerate(target.buffers)]
+        expected = torch.zeros(n, dtype=torch.int64, device=group.device)
+        manifest = group.broadcast_async(expected, req.deadline_s(n)) if req.checksum else None
+        buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
+        specs = [s for b in buckets for s in b.specs]
+        problems = self._check_specs(specs, set()) + self._check_complete(list(buckets), req.version, served_version)
+        staged = StagedVersion.of(req.version, target.buffers, buckets)
         crcs = []
         for buf, work in zip(target.buffers, works):
             group.wait(work)
             if req.checksum:
                 crcs.append(bucket_crc(buf))  # on a device: computed there, read once at the end
-        if req.checksum:
-            expected = torch.zeros(len(buckets), dtype=torch.int64, device=group.device)
-            group.broadcast(expected, req.deadline_s(len(buckets)))
+        if manifest is not None:
+            group.wait(manifest)
             bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if int(got) != want]
             if bad:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")
         _reject_if(problems, req.version)
-        return StagedVersion(req.version, target.buffers, tuple(buckets))
+        return staged
 
     def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
         """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped."""
@@ -179,7 +191,7 @@ class BucketStager:
         _reject_if(earlier or self._check_complete(buckets, version, served_version), version)
         fresh = _FlatSet(tuple(m for m, _, _ in parts), tuple(buf for _, buf, _ in parts))
         self._sets = [s for s in (self._live, fresh) if s is not None]
-        return StagedVersion(version, fresh.buffers, tuple(buckets))
+        return StagedVersion.of(version, fresh.buffers, tuple(buckets))
 
     def discard(self) -> None:
         """Forget a version being assembled bucket by bucket (its buffers stay for reuse)."""

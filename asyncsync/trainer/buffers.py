@@ -1,15 +1,22 @@
 """The flat buffers versions are packed into: one provider for both modes.
 
-    buffers = PackedBuffers(plan, device, packer, checksum, slots=2)   # blocking: a ring of 2 buckets
+    buffers = PackedBuffers(plan, device, packer, checksum, slots=RING_SLOTS)  # blocking: a ring
     result = send_version(members, v, plan, buffers.packing(named))   # each bucket packed just before
                                                                       # its broadcast, from the live weights
     snapshot = PackedBuffers(plan, device, packer, checksum)          # async: one buffer per bucket
     snapshot.pack_all(named)                                          # the whole version, ahead of sending
     result = send_version(members, v, plan, snapshot.packed())
 
-Both pack through ``pack`` with the same backend, checksum and layout check; what differs is only
-when the packing happens (just in time, on the sending thread, or ahead, on the snapshot thread) and
-so how many buffers it needs: blocking mode holds 2 buckets, an async snapshot a whole version.
+Both pack through ``pack`` with the same backend, checksum and layout check; what differs is when
+the packing happens (just in time, on the sending thread, or ahead, on the snapshot thread) and so
+how many buffers it needs: blocking mode holds a few buckets, an async snapshot a whole version.
+
+Sending from the live weights (blocking mode), a bucket that holds a single tensor is not packed at
+all: it is broadcast from the tensor itself and its CRC32C is taken while it is on the wire. Such
+buckets are the largest ones (a tensor bigger than ``bucket_bytes`` gets a bucket of its own: an
+embedding, an LM head), so the first broadcast starts without waiting for a big copy, and the ring's
+buffers are sized for the packed buckets only. This is safe because a blocking ``publish`` holds
+the caller until the version is sent, so the weights cannot change under the broadcast.
 """
 
 from __future__ import annotations
@@ -20,23 +27,47 @@ import torch
 
 from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
+from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.trainer.source import check_layout
 
 Crc = int | torch.Tensor | None
 
+# Buffers in blocking mode's ring. On a link-bound data plane the next bucket must be packed before
+# the broadcasts ahead of it drain. gloo runs two broadcasts of a group at once, so with 2 buffers
+# both are often on the wire together, finish together, and the link idles while the next bucket is
+# packed; 4 keeps up to two packed buckets queued behind the two on the wire, a margin for a packing
+# thread the scheduler holds back. (On the shared 2-core machine, 2, 3 and 4 measured within noise
+# of each other once single-tensor buckets were sent in place; 4 is chosen by this reasoning.)
+RING_SLOTS = 4
+
 
 class PackedBuffers:
     """Flat uint8 buffers for ``plan``'s buckets and the CRC32C of what was last packed into each.
 
-    ``slots=None``: one buffer per bucket (a snapshot). ``slots=k``: k buffers of the largest bucket's
-    size reused in turn (bucket i goes to slot i % k); the sender asks for bucket i only after the
-    broadcast of bucket i - k finished (``send_version`` honours ``depth``)."""
+    ``slots=None``: one buffer per bucket (a snapshot; every bucket is packed, also by ``packing``,
+    so the bytes sent are a copy). ``slots=k``: a ring for sending from the live
+    weights (``packing``): k buffers of the largest multi-tensor bucket's size, reused in turn by the
+    multi-tensor buckets; a bucket of one tensor is sent from the tensor itself. ``reuses`` names the
+    earlier bucket whose broadcast must finish before a bucket is packed (``send_version`` waits)."""
 
     def __init__(self, plan: BucketPlan, device: torch.device, packer: PackBackend, checksum: bool,
                  slots: int | None = None):
+        if slots is not None and slots < 1:
+            raise ValueError(f"a ring needs at least one buffer, got slots={slots}")
         self.plan, self.packer, self.checksum, self.slots, self.device = plan, packer, checksum, slots, device
-        sizes = [b.nbytes for b in plan.buckets] if slots is None else [plan.max_bucket_bytes] * slots
+        self._slot: dict[int, int] = {}      # bucket index -> buffer index
+        self._reuses: dict[int, int] = {}    # bucket index -> the bucket that used its buffer last
+        if slots is None:
+            self._slot = {b.index: b.index for b in plan.buckets}
+            sizes = [b.nbytes for b in plan.buckets]
+        else:
+            packed = [b for b in plan.buckets if not self.direct(b)]
+            for n, b in enumerate(packed):
+                self._slot[b.index] = n % slots
+                if n >= slots:
+                    self._reuses[b.index] = packed[n - slots].index
+            sizes = [max((b.nbytes for b in packed), default=0)] * min(slots, len(packed))
         self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self.crcs: list[Crc] = [None] * len(self.buffers)
 
@@ -45,14 +76,19 @@ class PackedBuffers:
         """Bytes these buffers hold: the sync's memory cost."""
         return sum(b.numel() for b in self.buffers)
 
-    def _slot(self, bucket: Bucket) -> int:
-        return bucket.index if self.slots is None else bucket.index % self.slots
+    def direct(self, bucket: Bucket) -> bool:
+        """True when a ring sends ``bucket`` from its one tensor instead of packing it."""
+        return self.slots is not None and len(bucket.specs) == 1
+
+    def reuses(self, bucket: Bucket) -> int | None:
+        """The index of the bucket whose buffer ``bucket`` is packed into next, if any."""
+        return self._reuses.get(bucket.index)
 
     def pack(self, bucket: Bucket, named: Mapping[str, torch.Tensor]) -> None:
         """Pack one bucket of ``named``, already checked by ``check_layout``. A backend that still
         refuses a tensor (its own checks: another thread freed or resized it since) raises
         ``UnpackableTensor`` naming it."""
-        slot = self._slot(bucket)
+        slot = self._slot[bucket.index]
         out = self.buffers[slot][: bucket.nbytes]
         tensors = [named[s.name] for s in bucket.specs]
         try:
@@ -72,7 +108,7 @@ class PackedBuffers:
             self.pack(bucket, named)
 
     def get(self, bucket: Bucket) -> tuple[torch.Tensor, Crc]:
-        slot = self._slot(bucket)
+        slot = self._slot[bucket.index]
         return self.buffers[slot][: bucket.nbytes], self.crcs[slot]
 
     def packed(self) -> Prepacked:
@@ -89,22 +125,49 @@ class PackedBuffers:
 class Prepacked:
     """Buckets packed ahead: every one is ready, nothing is rewritten while sending."""
 
-    depth = None
-
     def __init__(self, buffers: PackedBuffers):
         self.buffers = buffers
 
-    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, Crc]:
-        return self.buffers.get(bucket)
+    def reuses(self, bucket: Bucket) -> int | None:
+        return None
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers.get(bucket)[0]
+
+    def checksum(self, bucket: Bucket) -> Crc:
+        return self.buffers.get(bucket)[1]
 
 
 class PackOnDemand:
-    """Buckets packed from the live weights into a ring, each just before its broadcast."""
+    """Buckets packed from the live weights into a ring, each just before its broadcast; a bucket of
+    one tensor is that tensor's bytes, checksummed once its broadcast is under way."""
 
     def __init__(self, buffers: PackedBuffers, named: Mapping[str, torch.Tensor]):
         self.buffers, self.named = buffers, named
-        self.depth = buffers.slots
+        self._direct: dict[int, torch.Tensor] = {}  # bytes sent in place, until their checksum is taken
 
-    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, Crc]:
+    def reuses(self, bucket: Bucket) -> int | None:
+        return self.buffers.reuses(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        """The bytes of ``bucket``; ``UnpackableTensor`` names a tensor another thread freed or
+        resized since the version was read (checked again here: the broadcast reads its memory)."""
+        if self.buffers.direct(bucket):
+            name = bucket.specs[0].name
+            tensor = self.named[name]
+            problem = memory_problem(tensor)
+            if problem is not None:
+                raise UnpackableTensor(f"sending bucket {bucket.index} failed: tensor '{name}' {problem}")
+            # A non-contiguous tensor (rare for a parameter) is copied here, as packing would.
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if self.buffers.checksum:
+                self._direct[bucket.index] = flat
+            return flat
         self.buffers.pack(bucket, self.named)
-        return self.buffers.get(bucket)
+        return self.buffers.get(bucket)[0]
+
+    def checksum(self, bucket: Bucket) -> Crc:
+        if self.buffers.direct(bucket):
+            flat = self._direct.pop(bucket.index, None)
+            return None if flat is None else bucket_crc(flat)
+        return self.buffers.get(bucket)[1]

@@ -4,7 +4,7 @@ With ``async_weight_update: false`` ``publish`` sends the version on the caller'
 once every server applied it (the baseline); with ``true`` a ``SyncWorker`` does the same in the
 background and ``publish`` returns at once. Both modes run the same pipeline: the same pack path
 (``PackedBuffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
-differ in where the bytes are packed from (the live weights into a 2-bucket ring, or a snapshot).
+differ in where the bytes are packed from (the live weights into a ring of a few buckets, or a snapshot).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from asyncsync.config import WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, check_tensors, weights_device
@@ -80,7 +80,7 @@ class WeightSync:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (2 buckets blocking, snapshots async)."""
+        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots async)."""
         if self._worker is not None:
             return self._worker.nbytes
         return self._ring.nbytes if self._ring is not None else 0
@@ -116,7 +116,7 @@ class WeightSync:
             if self.is_async:
                 self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet(runtime), self.metrics)
             else:
-                self._ring = buffers(slots=2)
+                self._ring = buffers(slots=RING_SLOTS)
         except BaseException:
             self.close()
             raise

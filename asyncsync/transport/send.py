@@ -38,24 +38,29 @@ SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines 
 class BucketSource(Protocol):
     """Where ``send_version`` takes each bucket's bytes from (``trainer.buffers``).
 
-    ``depth`` is how many buffers the source cycles through (None: one per bucket, all ready):
-    ``bucket`` for bucket i is asked for only after the broadcast of bucket i - depth finished, so a
-    ring buffer is never rewritten while it is on the wire. ``bucket`` returns the flat bytes and
-    their CRC32C (an int, a 0-dim device tensor, or None without checksums)."""
+    ``bucket`` returns the flat bytes to broadcast. ``reuses`` names the earlier bucket whose buffer
+    those bytes will be written into (a ring), or None: ``bucket`` is asked for only after that
+    bucket's broadcast finished, so a buffer is never rewritten while it is on the wire. ``checksum``
+    is asked for right after the bucket's broadcast was started (a checksum not fused into packing is
+    then taken while the bytes are on the wire): the CRC32C of exactly those bytes, as an int or a
+    0-dim device tensor, or None without checksums."""
 
-    depth: int | None
+    def reuses(self, bucket: Bucket) -> int | None: ...
 
-    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, int | torch.Tensor | None]: ...
+    def bucket(self, bucket: Bucket) -> torch.Tensor: ...
+
+    def checksum(self, bucket: Bucket) -> int | torch.Tensor | None: ...
 
 
 def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
                  result: SyncResult | None = None) -> SyncResult:
     """Broadcast every bucket of ``plan`` from ``source`` and have every member apply ``version``.
 
-    The time ``source.bucket`` takes is counted as ``pack_s``. Never raises for a server's failure:
-    see ``result.failures`` and the metrics' events. Raises what ``source.bucket`` raised when a
-    bucket cannot be packed half-way (the trainer's fault): the group is dropped at once so no server
-    waits out a deadline, no server applies the version, and a new epoch is formed before raising."""
+    The time ``source.bucket`` and ``source.checksum`` take is counted as ``pack_s``. Never raises for
+    a server's failure: see ``result.failures`` and the metrics' events. Raises what ``source.bucket``
+    raised when a bucket cannot be packed half-way (the trainer's fault): the group is dropped at once
+    so no server waits out a deadline, no server applies the version, and a new epoch is formed
+    before raising."""
     cfg = members.config
     members.readmit()
     result = result or SyncResult(version, plan.total_bytes, len(plan.buckets))
@@ -180,25 +185,30 @@ def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, resu
     the packing failure that abandoned the version."""
     assert members.group is not None
     group, works, crcs = members.group, [], []
-    depth = source.depth
+    sent: list[torch.Tensor] = []  # every buffer stays referenced until its broadcast finished
     stopped = None
     try:
         for i, bucket in enumerate(plan.buckets):
-            if depth is not None and i >= depth:
-                group.wait(works[i - depth])  # that buffer is rewritten only once its broadcast finished
+            before = source.reuses(bucket)
+            if before is not None:
+                group.wait(works[before])  # that buffer is rewritten only once its broadcast finished
             stopped = _answered_early(posted)
             if stopped is not None:
                 break
             t0 = time.perf_counter()
             try:
-                buf, crc = source.bucket(bucket)
+                buf = source.bucket(bucket)
             except Exception as e:
                 log.error("version %d abandoned: bucket %d could not be packed: %s", result.version, i, e)
                 return PackFailed(e)
             result.pack_s += time.perf_counter() - t0
+            works.append(group.broadcast_async(buf, deadlines[i]))
+            sent.append(buf)
+            t0 = time.perf_counter()
+            crc = source.checksum(bucket)
+            result.pack_s += time.perf_counter() - t0
             if crc is not None:
                 crcs.append(crc)
-            works.append(group.broadcast_async(buf, deadlines[i]))
         for work in works:
             group.wait(work)  # each returns by its own deadline
         if stopped is None and members.config.checksum:

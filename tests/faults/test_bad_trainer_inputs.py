@@ -149,12 +149,18 @@ class FailsAtBucket:
     """A bucket source that cannot pack bucket ``index`` (a tensor freed by another thread meanwhile)."""
 
     def __init__(self, inner: BucketSource, index: int):
-        self.inner, self.index, self.depth = inner, index, inner.depth
+        self.inner, self.index = inner, index
 
-    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, object]:
+    def reuses(self, bucket: Bucket) -> int | None:
+        return self.inner.reuses(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index == self.index:
             raise UnpackableTensor(f"tensor 'x' of bucket {bucket.index} was freed")
         return self.inner.bucket(bucket)
+
+    def checksum(self, bucket: Bucket) -> object:
+        return self.inner.checksum(bucket)
 
 
 def test_a_version_that_cannot_be_packed_half_way_is_abandoned_and_the_next_one_syncs():

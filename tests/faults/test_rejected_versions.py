@@ -18,17 +18,25 @@ from helpers import Trainer
 
 
 class FlipAByte:
-    """Wraps the trainer's bucket source: one byte of the last bucket is flipped after its checksum
-    was taken, as a bit flip on the wire would."""
+    """Wraps the trainer's bucket source: one byte of the last bucket is flipped on its way to the
+    wire (in a copy: a bucket of one tensor is sent from the weights themselves), while its checksum
+    is that of the original bytes, as a bit flip on the wire would leave it."""
 
     def __init__(self, inner: BucketSource, last: int):
-        self.inner, self.last, self.depth = inner, last, inner.depth
+        self.inner, self.last = inner, last
 
-    def bucket(self, bucket: Bucket) -> tuple[torch.Tensor, object]:
-        buf, crc = self.inner.bucket(bucket)
+    def reuses(self, bucket: Bucket) -> int | None:
+        return self.inner.reuses(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        buf = self.inner.bucket(bucket)
         if bucket.index == self.last:
+            buf = buf.clone()
             buf[bucket.nbytes // 2] ^= 0xFF
-        return buf, crc
+        return buf
+
+    def checksum(self, bucket: Bucket) -> object:
+        return self.inner.checksum(bucket)
 
 
 @pytest.fixture(scope="module")

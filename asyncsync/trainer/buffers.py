@@ -33,13 +33,11 @@ from asyncsync.trainer.source import check_layout
 
 Crc = int | torch.Tensor | None
 
-# Buffers in blocking mode's ring. On a link-bound data plane the next bucket must be packed before
-# the broadcasts ahead of it drain. gloo runs two broadcasts of a group at once, so with 2 buffers
-# both are often on the wire together, finish together, and the link idles while the next bucket is
-# packed; 4 keeps up to two packed buckets queued behind the two on the wire, a margin for a packing
-# thread the scheduler holds back. (On the shared 2-core machine, 2, 3 and 4 measured within noise
-# of each other once single-tensor buckets were sent in place; 4 is chosen by this reasoning.)
-RING_SLOTS = 4
+# Buffers in blocking mode's ring: memory is a budget (blocking mode holds at most 2 buckets), and
+# on the emulated links of benchmarks/broadcast.py 2, 3 and 4 buffers measured within noise of each
+# other once single-tensor buckets were sent from the weights in place (bucket k+1 is packed while
+# bucket k is on the wire).
+RING_SLOTS = 2
 
 
 class PackedBuffers:

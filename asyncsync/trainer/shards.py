@@ -1,0 +1,146 @@
+"""Which bytes of each bucket every trainer rank holds, and how a bucket's owner assembles it.
+
+A sharded trainer's weights are DTensors: on its mesh each rank holds a slice of every global tensor
+(``Shard(d)``) or a whole copy (``Replicate``); a plain tensor is the same on every rank. All of it is
+computed from metadata (global shape and dtype, mesh, placements), with no communication, the same
+way on every rank::
+
+    layout = ShardLayout.of(plan, named, world, owners)  # owners: the rank that sends each bucket
+    # every rank: its contribution to bucket b is its slices of b's tensors, packed in plan order,
+    #             padded to the largest rank's contribution (a gather moves equal sizes)
+    pack_contribution(layout.buckets[b], rank, named, out)      # from the live shards or a snapshot
+    # the owner, after gathering every rank's contribution:
+    assemble(layout.buckets[b], contributions, bucket_buffer)   # each slice into its place
+
+Only the rank whose mesh coordinate is 0 along every ``Replicate`` dim sends a replicated slice,
+and a plain tensor is taken from the owner's own copy, so no byte crosses the trainer twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's slice of one tensor of a bucket: where it sits in the tensor and in the contribution."""
+
+    spec: int                       # index into the bucket's specs
+    shape: tuple[int, ...]          # the slice's shape
+    offset: tuple[int, ...]         # its offset in the global tensor, per dim
+    at: int                         # byte offset in the rank's contribution
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketShards:
+    """For one bucket: its owner, every rank's pieces, and the (padded) size of a contribution."""
+
+    bucket: Bucket
+    owner: int
+    pieces: tuple[tuple[Piece, ...], ...]  # per rank
+    size: int                              # bytes of each rank's contribution buffer (the largest)
+
+    def contribution_bytes(self, rank: int) -> int:
+        return sum(p.nbytes for p in self.pieces[rank])
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    buckets: tuple[BucketShards, ...]
+    world: int
+
+    @classmethod
+    def of(cls, plan: BucketPlan, named: Mapping[str, torch.Tensor], world: int, owners: Sequence[int]) -> ShardLayout:
+        """``named`` holds this rank's view (DTensors, or plain tensors that every rank holds whole)."""
+        out = []
+        for bucket, owner in zip(plan.buckets, owners, strict=True):
+            per_rank: list[list[Piece]] = [[] for _ in range(world)]
+            sizes = [0] * world
+            for i, spec in enumerate(bucket.specs):
+                for rank, shape, offset in _slices(named[spec.name], world, owner):
+                    nbytes = math.prod(shape) * spec.dtype.itemsize
+                    per_rank[rank].append(Piece(i, shape, offset, sizes[rank], nbytes))
+                    sizes[rank] += nbytes
+            out.append(BucketShards(bucket, owner, tuple(tuple(p) for p in per_rank), max(sizes)))
+        return cls(tuple(out), world)
+
+    def snapshot_bytes(self, rank: int) -> int:
+        """What a snapshot of this rank's contributions holds (padded, so it can be gathered in place)."""
+        return sum(b.size for b in self.buckets)
+
+
+def balanced_owners(plan: BucketPlan, world: int) -> list[int]:
+    """An owner per bucket, balancing bytes: the largest buckets first, each to the least-loaded rank."""
+    load = [0] * world
+    owners = [0] * len(plan.buckets)
+    for bucket in sorted(plan.buckets, key=lambda b: -b.nbytes):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[bucket.index] = rank
+        load[rank] += bucket.nbytes
+    return owners
+
+
+def _slices(t: torch.Tensor, world: int, owner: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(rank, local shape, global offset) of every rank that sends a part of ``t``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return [(owner, tuple(t.shape), (0,) * t.dim())]  # every rank holds it whole: the owner's copy
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    for p in placements:
+        if isinstance(p, Partial) or not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and type(p) is not Shard):
+            raise ValueError(f"a DTensor placed as {p} cannot be sent: asyncsync gathers Shard(d) and Replicate "
+                             "placements (a Partial one needs a reduction first)")
+    coords = mesh.mesh
+    out = []
+    for rank in coords.flatten().tolist():
+        if rank >= world:
+            raise ValueError(f"the DTensor's mesh has rank {rank}, but the trainer group has {world} ranks: asyncsync's "
+                             "sharded path needs meshes over the ranks that call connect()")
+        coord = [int(c) for c in (coords == rank).nonzero()[0]]
+        if any(coord[d] != 0 for d, p in enumerate(placements) if isinstance(p, Replicate)):
+            continue  # a replica of a slice another rank sends
+        shape, offset = _compute_local_shape_and_global_offset(tuple(t.shape), tuple(mesh.shape), coord, placements)
+        out.append((rank, tuple(shape), tuple(offset)))
+    return out
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local data of a tensor of the view (a DTensor's local shard, or the tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def pack_contribution(shards: BucketShards, rank: int, named: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """This rank's pieces of a bucket, in order, into ``out`` (at least ``shards.size`` bytes)."""
+    specs = shards.bucket.specs
+    with torch.no_grad():
+        for piece in shards.pieces[rank]:
+            if piece.nbytes:
+                spec = specs[piece.spec]
+                local = local_part(named[spec.name]).detach()
+                byte_view(out, piece.at, spec.dtype, piece.shape).copy_(local.reshape(piece.shape))
+
+
+def assemble(shards: BucketShards, contributions: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """The owner's step: every rank's pieces (``contributions[rank]``) into their places in the bucket."""
+    bucket = shards.bucket
+    with torch.no_grad():
+        for rank, pieces in enumerate(shards.pieces):
+            for piece in pieces:
+                if not piece.nbytes:
+                    continue
+                spec, at = bucket.specs[piece.spec], bucket.offsets[piece.spec]
+                whole = byte_view(out, at, spec.dtype, spec.shape)
+                region = whole[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))]
+                region.copy_(byte_view(contributions[rank], piece.at, spec.dtype, piece.shape))

@@ -113,6 +113,9 @@ class WeightSyncConfig:
     master_port: int = 0
     group_name: str = "asyncsync"
     takeover: bool = False
+    trainer_ranks: str | int = "auto"
+    funnel: bool = False
+    snapshot: str = "device"
 
     def __post_init__(self) -> None:
         if not isinstance(self.async_weight_update, bool):
@@ -125,6 +128,13 @@ class WeightSyncConfig:
             raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
         if not isinstance(self.takeover, bool):
             raise ConfigError(f"takeover: expected true or false, got {self.takeover!r}")
+        if self.trainer_ranks not in ("auto", 1):
+            raise ConfigError(f"trainer_ranks: expected auto (every rank of torch.distributed's default group calls "
+                              f"connect/publish/close) or 1 (only this process), got {self.trainer_ranks!r}")
+        if not isinstance(self.funnel, bool):
+            raise ConfigError(f"funnel: expected true or false, got {self.funnel!r}")
+        if self.snapshot not in ("device", "host"):
+            raise ConfigError(f"snapshot: expected device or host, got {self.snapshot!r}")
         object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
         if self.backend not in DATA_PLANE_BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")

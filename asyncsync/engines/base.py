@@ -40,10 +40,12 @@ class DataPlaneProtocol:
     warmup: bool               # every member joins with one warm-up broadcast
     checksum_manifest: bool    # a request with ``checksum`` is followed by the CRC32C manifest broadcast
     single_dtype_buckets: bool  # every bucket must hold tensors of one dtype
+    multi_group: bool = False   # a server can join several groups, one per owning trainer rank
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
-ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False)
+ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
+                                       multi_group=True)
 
 
 class EngineClient(ABC):
@@ -99,7 +101,8 @@ class EngineClient(ABC):
         """Tell the server this trainer session is done with it (its ``close()``); best effort."""
 
     @abstractmethod
-    async def init_group(self, spec: GroupSpec, rank_offset: int) -> None: ...
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
+        """Join ``specs`` (one group, or one per owning trainer rank when ``protocol.multi_group``)."""
 
     async def expected_names(self) -> frozenset[str] | None:
         """The tensor names the server checks every version against, or None when it cannot tell (the

@@ -31,8 +31,8 @@ class ReferenceEngine(EngineClient):
     async def release(self) -> None:
         await self.best_effort(self.http.post("/release"), "release the server")
 
-    async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
-        await self.http.post("/init_group", InitGroupRequest(spec, rank_offset).to_json())
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
+        await self.http.post("/init_group", InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json())
 
     async def expected_names(self) -> frozenset[str]:
         return frozenset((await self.http.get("/weights/names"))["names"])

@@ -39,8 +39,9 @@ class VllmEngine(EngineClient):
     async def world_size(self) -> int:
         return int((await self.http.get("/get_world_size"))["world_size"])
 
-    async def init_group(self, spec: GroupSpec, rank_offset: int) -> None:
-        await self.http.post("/init_weight_transfer_engine", {"init_info": InitGroupRequest(spec, rank_offset).to_json()})
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
+        await self.http.post("/init_weight_transfer_engine",
+                             {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json()})
 
     async def begin(self, version: int) -> None:
         if self.server.pause:

@@ -12,7 +12,7 @@ so a rejected version never leaves the trainer or the other receivers waiting in
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,26 +86,39 @@ class BucketStager:
         # needs no second set): its memory is taken before an engine sizes its caches, not mid-run.
         total = sum(spec.nbytes for spec in self.expected.values())
         self.arena = torch.empty(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
-        self.group: DataPlaneGroup | None = None
+        self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
         self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
         self._partial_problems: list[str] = []
 
-    def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
-        """Join the trainer's group; ``WireError`` (before any rendezvous) when its backend is not the
-        one this receiver's weights take."""
-        if spec.backend != self.runtime.wire_backend:
-            raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
-                            f"{self.runtime.device}, which take {self.runtime.wire_backend}: use backend: auto on the "
-                            "trainer, or serve the model on the trainer's kind of device")
+    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
+        """Join the trainer's group (a sharded trainer's: one per owning trainer rank, in order) as
+        ``rank``; ``WireError`` (before any rendezvous) when a group's backend is not the one this
+        receiver's weights take."""
+        specs = (specs,) if isinstance(specs, GroupSpec) else tuple(specs)
+        for spec in specs:
+            if spec.backend != self.runtime.wire_backend:
+                raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
+                                f"{self.runtime.device}, which take {self.runtime.wire_backend}: use backend: auto on "
+                                "the trainer, or serve the model on the trainer's kind of device")
         self.close()
-        self.group = DataPlaneGroup.join(spec, rank, self.runtime, warmup)
+        try:
+            for spec in specs:
+                self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def group(self) -> DataPlaneGroup | None:
+        """The first group (trainer rank 0's): the only one of an unsharded trainer."""
+        return self.groups[0] if self.groups else None
 
     def _require_group(self) -> DataPlaneGroup:
-        if self.group is None:
+        if not self.groups:
             raise VersionRejected(f"no data-plane group: call {self.join_route} before sending updates")
-        return self.group
+        return self.groups[0]
 
     # -- a whole version per request ------------------------------------------------------------
 
@@ -114,6 +127,9 @@ class BucketStager:
         ``VersionRejected`` after the last broadcast if anything is wrong."""
         group = self._require_group()
         self.discard()
+        if req.sources and max(req.sources) >= len(self.groups):
+            raise VersionRejected(f"version {req.version} rejected: it names group {max(req.sources)}, but "
+                                  f"{len(self.groups)} were joined; call {self.join_route} again")
         target = self._set_for(req.buckets)
         # Every receive is posted first, the manifest's too (it then lands while the last bucket is
         # checksummed), and what needs no bytes (checks, views) is done while they arrive; gloo runs
@@ -121,7 +137,8 @@ class BucketStager:
         # bucket has arrived (the group's waits block the host), so nothing is verified, and no answer
         # given, before the data is really in the buffers.
         n = len(req.buckets)
-        works = [group.broadcast_async(buf, req.deadline_s(i)) for i, buf in enumerate(target.buffers)]
+        works = [(self.groups[req.source(i)], self.groups[req.source(i)].broadcast_async(buf, req.deadline_s(i)))
+                 for i, buf in enumerate(target.buffers)]
         expected = torch.zeros(n, dtype=torch.int64, device=group.device)
         manifest = group.broadcast_async(expected, req.deadline_s(n)) if req.checksum else None
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
@@ -129,8 +146,8 @@ class BucketStager:
         problems = self._check_specs(specs, set()) + self._check_complete(list(buckets), req.version, served_version)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
         crcs = []
-        for buf, work in zip(target.buffers, works):
-            group.wait(work)
+        for buf, (source, work) in zip(target.buffers, works):
+            source.wait(work)
             if req.checksum:
                 crcs.append(bucket_crc(buf))  # on a device: computed there, read once at the end
         if manifest is not None:
@@ -236,9 +253,9 @@ class BucketStager:
         self._live = next(s for s in self._sets if s.buffers is staged.buffers)
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        groups, self.groups = self.groups, []
+        for group in groups:
+            group.close()
 
 
 def _reject_if(problems: list[str], version: int | None) -> None:

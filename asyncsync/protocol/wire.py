@@ -136,10 +136,19 @@ class UpdateRequest:
     buckets: tuple[BucketMeta, ...]
     checksum: bool
     deadlines_s: tuple[float, ...] = ()
+    sources: tuple[int, ...] = ()  # per bucket, the group it arrives on (InitGroupRequest.groups); () = all group 0
 
     def __post_init__(self) -> None:
         if self.deadlines_s and len(self.deadlines_s) != len(self.buckets):
             raise WireError(f"update.deadlines_s: {len(self.deadlines_s)} deadline(s) for {len(self.buckets)} bucket(s)")
+        if self.sources and len(self.sources) != len(self.buckets):
+            raise WireError(f"update.sources: {len(self.sources)} source(s) for {len(self.buckets)} bucket(s)")
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.sources):
+            raise WireError(f"update.sources: expected group indexes >= 0, got {list(self.sources)}")
+
+    def source(self, index: int) -> int:
+        """The group bucket ``index`` arrives on (the manifest: group 0)."""
+        return self.sources[index] if self.sources and index < len(self.sources) else 0
         if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
             raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
 
@@ -153,6 +162,8 @@ class UpdateRequest:
         out: dict[str, Any] = {"version": self.version, "buckets": [b.to_json() for b in self.buckets], "checksum": self.checksum}
         if self.deadlines_s:
             out["deadlines_s"] = list(self.deadlines_s)
+        if self.sources:
+            out["sources"] = list(self.sources)
         return out
 
     @classmethod
@@ -163,8 +174,9 @@ class UpdateRequest:
             raise WireError("update.buckets: must list at least one bucket")
         checksum = _field(data, "checksum", bool, "update")
         deadlines = _field(data, "deadlines_s", list, "update") if "deadlines_s" in data else []
+        sources = _field(data, "sources", list, "update") if "sources" in data else []
         buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
-        return cls(version, buckets, checksum, tuple(deadlines))
+        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources))
 
 
 @dataclass(frozen=True)
@@ -183,30 +195,48 @@ class VersionRequest:
 
 @dataclass(frozen=True)
 class InitGroupRequest:
-    """Join the data-plane group ``group`` as rank ``rank_offset`` (the trainer is rank 0)."""
+    """Join the data-plane group ``group`` as rank ``rank_offset`` (the trainer is rank 0), and, for a
+    sharded trainer whose other ranks send buckets too, ``more_groups`` at the same rank: group i of
+    ``groups`` is trainer rank i's (``UpdateRequest.sources`` says which group each bucket arrives on)."""
 
     group: GroupSpec
     rank_offset: int
+    more_groups: tuple[GroupSpec, ...] = ()
+
+    @property
+    def groups(self) -> tuple[GroupSpec, ...]:
+        return (self.group, *self.more_groups)
 
     def to_json(self) -> dict[str, Any]:
-        return {"group": self.group.to_json(), "rank_offset": self.rank_offset}
+        out: dict[str, Any] = {"group": self.group.to_json(), "rank_offset": self.rank_offset}
+        if self.more_groups:
+            out["more_groups"] = [g.to_json() for g in self.more_groups]
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> InitGroupRequest:
         w = "init_group"
-        g = _field(data, "group", dict, w)
-        fields = {k: _field(g, k, kind, f"{w}.group") for k, kind in
-                  (("host", str), ("port", int), ("world_size", int), ("group_name", str), ("backend", str),
-                   ("timeout_s", (int, float)))}
-        try:
-            group = GroupSpec(**{**fields, "timeout_s": float(fields["timeout_s"])})
-        except WireError as e:
-            raise WireError(f"{w}.{e}") from None
-        return cls(group, _field(data, "rank_offset", int, w))
+        group = _group_spec(_field(data, "group", dict, w), f"{w}.group")
+        more = _field(data, "more_groups", list, w) if "more_groups" in data else []
+        return cls(group, _field(data, "rank_offset", int, w),
+                   tuple(_group_spec(g, f"{w}.more_groups[{i}]") for i, g in enumerate(more)))
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank_offset < self.group.world_size:
-            raise WireError(f"init_group.rank_offset: must be in [1, world_size={self.group.world_size}), got {self.rank_offset}")
+        for g in self.groups:
+            if not 1 <= self.rank_offset < g.world_size:
+                raise WireError(f"init_group.rank_offset: must be in [1, world_size={g.world_size}), got {self.rank_offset}")
+
+
+def _group_spec(data: Any, where: str) -> GroupSpec:
+    if not isinstance(data, dict):
+        raise WireError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    fields = {k: _field(data, k, kind, where) for k, kind in
+              (("host", str), ("port", int), ("world_size", int), ("group_name", str), ("backend", str),
+               ("timeout_s", (int, float)))}
+    try:
+        return GroupSpec(**{**fields, "timeout_s": float(fields["timeout_s"])})
+    except WireError as e:
+        raise WireError(f"{where.rsplit('.group', 1)[0]}.{e}" if where.endswith(".group") else f"{where}: {e}") from None
 
 
 # -- which trainer owns a receiver -------------------------------------------------------------------

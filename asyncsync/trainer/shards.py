@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +145,112 @@ def assemble(shards: BucketShards, contributions: Sequence[torch.Tensor], out: t
                 whole = byte_view(out, at, spec.dtype, spec.shape)
                 region = whole[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))]
                 region.copy_(byte_view(contributions[rank], piece.at, spec.dtype, piece.shape))
+
+
+class ShardedBuffers:
+    """One rank's buffers for sending a sharded trainer's versions.
+
+    * contributions: this rank's pieces of the buckets. Async mode: a snapshot, one area per bucket,
+      packed once per version by the snapshotter (``pack_all``). Blocking mode: one area, packed from
+      the live shards just before each bucket's gather.
+    * staging: ``world`` contributions of the largest bucket this rank owns (the gather's output).
+    * slot: one bucket-sized buffer, where the owner assembles the bucket it sends next.
+
+    So a rank holds one snapshot of its shards (async) and, as an owner, two buckets: never the
+    model. ``nbytes`` is what lives on the weights' device, ``host_nbytes`` a host snapshot's.
+    """
+
+    def __init__(self, layout: ShardLayout, rank: int, runtime: Any, checksum: bool, snapshot: str | None):
+        self.layout, self.rank, self.runtime, self.checksum = layout, rank, runtime, checksum
+        device = runtime.device
+        owned = [b for b in layout.buckets if b.owner == rank]
+        self._areas: dict[int, tuple[int, int]] = {}
+        if snapshot is None:
+            size = max((b.size for b in layout.buckets), default=0)
+            self.contributions = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            offset = 0
+            for b in layout.buckets:
+                self._areas[b.bucket.index] = (offset, b.size)
+                offset += b.size
+            on_host = snapshot == "host"
+            self.contributions = torch.empty(offset, dtype=torch.uint8, device="cpu" if on_host else device,
+                                             pin_memory=on_host and runtime.kind == "cuda")
+        self.host_snapshot = snapshot == "host"
+        self._upload = (torch.empty(max((b.size for b in layout.buckets), default=0), dtype=torch.uint8, device=device)
+                        if self.host_snapshot and runtime.kind == "cuda" else None)
+        self.staging = torch.empty(layout.world * max((b.size for b in owned), default=0), dtype=torch.uint8, device=device)
+        self.slot = torch.empty(max((b.bucket.nbytes for b in owned), default=0), dtype=torch.uint8, device=device)
+        self._last_owned: dict[int, int] = {}  # bucket -> the previous bucket this rank owns (they share the slot)
+        for before, after in zip(owned, owned[1:]):
+            self._last_owned[after.bucket.index] = before.bucket.index
+
+    @property
+    def nbytes(self) -> int:
+        device = self.slot.numel() + self.staging.numel() + (self._upload.numel() if self._upload is not None else 0)
+        return device + (0 if self.host_snapshot else self.contributions.numel())
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.contributions.numel() if self.host_snapshot else 0
+
+    def _area(self, index: int) -> torch.Tensor:
+        if not self._areas:
+            return self.contributions[: self.layout.buckets[index].size]
+        start, size = self._areas[index]
+        return self.contributions[start : start + size]
+
+    def pack_all(self, named: Mapping[str, torch.Tensor]) -> None:
+        """The snapshot: this rank's pieces of every bucket (the caller checked the layout)."""
+        for shards in self.layout.buckets:
+            pack_contribution(shards, self.rank, named, self._area(shards.bucket.index))
+
+    def source(self, named: Mapping[str, torch.Tensor] | None = None) -> ShardedSource:
+        """A source for ``send_version``: from the snapshot, or (``named``) from the live shards."""
+        return ShardedSource(self, named)
+
+
+class ShardedSource:
+    """Per bucket: this rank's contribution (every rank), then, at the bucket's owner, the gathered
+    contributions assembled into the slot and sent from there (``transport.send`` drives it)."""
+
+    def __init__(self, buffers: ShardedBuffers, named: Mapping[str, torch.Tensor] | None):
+        self.buffers, self.named = buffers, named
+        self._crc: dict[int, int | torch.Tensor | None] = {}
+
+    def owner(self, bucket: Bucket) -> int:
+        return self.buffers.layout.buckets[bucket.index].owner
+
+    def contribution(self, bucket: Bucket) -> torch.Tensor:
+        b = self.buffers
+        shards = b.layout.buckets[bucket.index]
+        area = b._area(bucket.index)
+        if self.named is not None:
+            pack_contribution(shards, b.rank, self.named, area)
+        if b._upload is not None:  # a host snapshot: up to the device just before the gather
+            return b._upload[: area.numel()].copy_(area, non_blocking=True)
+        return area
+
+    def staging(self, bucket: Bucket) -> list[torch.Tensor]:
+        """The owner's gather outputs for ``bucket``: one contribution-sized view per rank."""
+        b = self.buffers
+        size = b.layout.buckets[bucket.index].size
+        return [b.staging[r * size : (r + 1) * size] for r in range(b.layout.world)]
+
+    def assemble(self, bucket: Bucket, gathered: Sequence[torch.Tensor]) -> None:
+        b = self.buffers
+        out = b.slot[: bucket.nbytes]
+        assemble(b.layout.buckets[bucket.index], gathered, out)
+        if b.checksum:
+            from asyncsync.protocol.checksum import bucket_crc
+
+            self._crc[bucket.index] = bucket_crc(out)
+
+    def reuses(self, bucket: Bucket) -> int | None:
+        return self.buffers._last_owned.get(bucket.index)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers.slot[: bucket.nbytes]
+
+    def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
+        return self._crc.pop(bucket.index, None)

@@ -39,6 +39,7 @@ from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
 from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.trainer.metrics import SyncMetrics
+from asyncsync.trainer.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
@@ -72,8 +73,11 @@ class Membership:
     """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
 
     def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
-                 session: str | None = None):
+                 session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False):
         self.config, self.control, self.metrics, self.runtime = config, control, metrics, runtime
+        # A sharded trainer's other ranks form every epoch with rank 0 (transport.follower); with
+        # ``spread`` each of them owns buckets and gets groups of its own with the servers.
+        self.ranks = ranks or TrainerRanks()
         self.session = session or new_session()  # sent with every call; its random part names the groups
         self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s, self.session) for s in config.servers]
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
@@ -84,15 +88,17 @@ class Membership:
         self.epoch = 0
         self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
         self._next_probe = 0.0
+        multi = all(e.protocol.multi_group for e in self.engines)
+        self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
 
     @classmethod
     def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
-                session: str | None = None) -> Membership:
+                session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False) -> Membership:
         """Form the first groups, claiming every server (``config.takeover``: even from a live owner);
         servers that do not answer start evicted. Raises ``SyncError`` when no server at all could
         join, ``TrainerConflict`` when another live trainer owns a server, ``UnsupportedServer`` when
         one runs a setup its client can never sync (all leave nothing open)."""
-        members = cls(config, control, metrics, runtime, session)
+        members = cls(config, control, metrics, runtime, session, ranks, spread)
         try:
             members.form(members.engines, refuse_unsupported=True, takeover=config.takeover)
             if members.conflicts:
@@ -154,7 +160,8 @@ class Membership:
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime)
+            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime, self.sources)
+            self.ranks.from_leader(("epoch", [layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
             joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
             try:
                 group: TrainerGroups | None = layout.join()  # returns once every server's ranks joined
@@ -163,10 +170,12 @@ class Membership:
                 group = None
             answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
             still = self._drop_unreachable(alive, answers)
-            if group is not None and len(still) == len(alive):
+            formed = all(self.ranks.gather_objects(group is not None) or [])
+            self.ranks.from_leader(("formed", formed and len(still) == len(alive)))
+            if formed and len(still) == len(alive):
                 self.group, self.members = group, alive
                 log.info("epoch %d: data-plane groups of %s ranks over %d server(s)", self.epoch,
-                         [spec.world_size for _, spec in layout.groups], len(alive))
+                         [specs[0].world_size for _, specs in layout.groups], len(alive))
                 break
             if group is not None:
                 group.close(broken=True)

@@ -23,12 +23,16 @@ from typing import Any, Protocol
 import torch
 
 from asyncsync.engines.base import EngineClient
+from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
+from asyncsync.trainer.ranks import TrainerRanks
+from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
+from asyncsync.transport.topology import TrainerGroups
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +66,23 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     so no server waits out a deadline, no server applies the version, and a new epoch is formed
     before raising."""
     cfg = members.config
+    ranks = members.ranks
     members.readmit()
     result = result or SyncResult(version, plan.total_bytes, len(plan.buckets))
     start = time.perf_counter()
     result.send_started = start
     result.started = result.started or start
     if members.group is None:
+        ranks.from_leader(("version", None))  # no server to send to: the other ranks skip it too
+        ranks.from_leader(("done",))
         result.failures = dict(members.evicted)
         result.finished = time.perf_counter()
         return result
     engines = list(members.members)
     deadlines = tuple(members.pace.deadline_s(b.nbytes) for b in plan.buckets)
-    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines)
+    sources = tuple(owner_of(source, b) for b in plan.buckets) if members.sources > 1 else ()
+    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines, sources)
+    ranks.from_leader(("version", VersionPlan(version, deadlines)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -103,9 +112,11 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             raise
 
     # One future per server, so the broadcast can watch them: a server whose update is answered
-    # before its data was sent is not receiving, and the rest of the version is not broadcast.
+    # before its data was sent is not receiving, and the rest of the version is not broadcast (a
+    # sharded trainer's ranks go through every bucket together: there, deadlines end it).
     posted = {e.url: members.control.submit(begin_and_update(e)) for e in engines}
-    broken = _broadcast(members, plan, source, result, deadlines, posted)
+    broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, posted if ranks.world == 1 else None)
+    broken = _finish_data_path(members, plan, broken, crcs, deadlines)
     result.wire_s = time.perf_counter() - start - result.pack_s
     if broken is None:
         members.pace.observe(plan.total_bytes, result.wire_s)
@@ -118,6 +129,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         # was aborted), none is sent ``end``, so each keeps serving its last complete version. No
         # server is to blame: a new epoch over the same servers, then the caller hears why.
         members.form(engines)
+        ranks.from_leader(("done",))
         cause, broken = broken.cause, None
         try:
             raise cause
@@ -138,6 +150,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         members.evict(url, result.failures[url])
     if broken is not None or unreachable:
         members.form([e for e in engines if e.url not in unreachable])
+    ranks.from_leader(("done",))
     result.apply_s = time.perf_counter() - t0
     result.finished = time.perf_counter()
     result.total_s = result.finished - result.started
@@ -178,43 +191,127 @@ class PackFailed:
     cause: Exception
 
 
-def _broadcast(members: Membership, plan: BucketPlan, source: BucketSource, result: SyncResult,
-               deadlines: tuple[float, ...], posted: dict[str, concurrent.futures.Future[Any]]) -> str | PackFailed | None:
-    """Every bucket, each with its deadline, then the checksum manifest; returns what broke the data
-    plane, as text (an exception kept here would hold the group's sockets through its traceback), or
-    the packing failure that abandoned the version."""
-    assert members.group is not None
-    group, works, crcs = members.group, [], []
+@dataclass(frozen=True)
+class VersionPlan:
+    """What rank 0 tells a sharded trainer's other ranks before a version's data path runs."""
+
+    version: int
+    deadlines: tuple[float, ...]  # per bucket, as sent to the servers
+
+
+def owner_of(source: BucketSource, bucket: Bucket) -> int:
+    """The trainer rank that sends ``bucket`` (0 unless the source is a sharded trainer's)."""
+    owner = getattr(source, "owner", None)
+    return owner(bucket) if owner is not None else 0
+
+
+def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, checksum: bool) -> None:
+    """A sharded trainer's rank other than 0: its part of the version rank 0 announces next (raises
+    ``Stopped`` when rank 0 closes instead). Never raises for a server's failure."""
+    ranks = follower.ranks
+    (_, announced) = follower.until("version")
+    if announced is not None and follower.group is not None:
+        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, None)
+        ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
+        if isinstance(broken, PackFailed):
+            follower.until("done")
+            raise broken.cause
+    follower.until("done")
+
+
+def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackFailed | None,
+                      crcs: dict[int, Any], deadlines: tuple[float, ...]) -> str | PackFailed | None:
+    """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest."""
+    ranks = members.ranks
+    if ranks.world > 1:
+        outcomes = ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if members.config.checksum else {})) or []
+        for rank, (text, theirs) in enumerate(outcomes):
+            if rank and text is not None and broken is None:
+                broken = PackFailed(RuntimeError(text[len(_PACK):])) if text.startswith(_PACK) else f"trainer rank {rank}: {text}"
+            crcs.update(theirs)
+    if broken is None and members.config.checksum:
+        try:
+            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines))
+        except DataPlaneError as e:
+            broken = str(e)
+    if broken is not None and not isinstance(broken, PackFailed):
+        log.warning("data plane failed in epoch %d: %s", members.epoch, broken)
+    return broken
+
+
+_PACK = "could not pack: "
+
+
+def _outcome_text(broken: str | PackFailed | None) -> str | None:
+    return _PACK + str(broken.cause) if isinstance(broken, PackFailed) else broken
+
+
+def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
+    """Checksums as ints, to travel to rank 0 (a device checksum is read here, on the sender's thread)."""
+    return {i: int(c) for i, c in crcs.items()}
+
+
+def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
+               result: SyncResult | None, deadlines: tuple[float, ...],
+               posted: dict[str, concurrent.futures.Future[Any]] | None) -> tuple[str | PackFailed | None, dict[int, Any]]:
+    """Every bucket, each with its deadline: a sharded trainer's ranks gather each bucket's pieces at
+    its owner, which broadcasts it; a single process broadcasts every bucket. Returns what broke the
+    data plane, as text (an exception kept here would hold the group's sockets through its traceback)
+    or the packing failure that abandoned the version, and the checksums of the buckets this rank sent.
+
+    A sharded trainer's ranks go through every bucket's gather whatever happens to their broadcasts,
+    so the gathers stay paired on every rank; after a failure a rank only stops broadcasting."""
+    works: dict[int, Any] = {}
+    crcs: dict[int, Any] = {}
     sent: list[torch.Tensor] = []  # every buffer stays referenced until its broadcast finished
-    stopped = None
-    try:
-        for i, bucket in enumerate(plan.buckets):
-            before = source.reuses(bucket)
-            if before is not None:
-                group.wait(works[before])  # that buffer is rewritten only once its broadcast finished
+    stopped: str | PackFailed | None = None
+    sharded = ranks.world > 1
+
+    def wait(i: int) -> None:
+        nonlocal stopped
+        try:
+            group.wait(works.pop(i))  # returns by the broadcast's own deadline
+        except DataPlaneError as e:
+            stopped = stopped or str(e)
+
+    for i, bucket in enumerate(plan.buckets):
+        owner = owner_of(source, bucket)
+        mine = owner == ranks.rank
+        before = source.reuses(bucket) if mine else None
+        if before is not None and before in works:
+            wait(before)  # that buffer is rewritten only once its broadcast finished
+        if posted is not None and stopped is None:
             stopped = _answered_early(posted)
-            if stopped is not None:
-                break
-            t0 = time.perf_counter()
-            try:
-                buf = source.bucket(bucket)
-            except Exception as e:
-                log.error("version %d abandoned: bucket %d could not be packed: %s", result.version, i, e)
-                return PackFailed(e)
+        if stopped is not None and not sharded:
+            break
+        t0 = time.perf_counter()
+        try:
+            if sharded:
+                ranks.gather(source.contribution(bucket), owner, source.staging(bucket) if mine else None)
+                if mine:
+                    source.assemble(bucket, source.staging(bucket))
+            buf = source.bucket(bucket) if mine else None
+        except Exception as e:
+            if sharded and not isinstance(e, UnpackableTensor):
+                raise  # TrainerRankLost: another rank is gone, the sync cannot go on
+            log.error("version abandoned: bucket %d could not be packed: %s", i, e)
+            return PackFailed(e), crcs
+        if result is not None:
             result.pack_s += time.perf_counter() - t0
-            works.append(group.broadcast_async(buf, deadlines[i]))
-            sent.append(buf)
-            t0 = time.perf_counter()
-            crc = source.checksum(bucket)
+        if buf is None or stopped is not None:
+            continue
+        try:
+            works[i] = group.broadcast_async(buf, deadlines[i])
+        except DataPlaneError as e:
+            stopped = str(e)
+            continue
+        sent.append(buf)
+        t0 = time.perf_counter()
+        crc = source.checksum(bucket)
+        if result is not None:
             result.pack_s += time.perf_counter() - t0
-            if crc is not None:
-                crcs.append(crc)
-        for work in works:
-            group.wait(work)  # each returns by its own deadline
-        if stopped is None and members.config.checksum:
-            group.broadcast_checksums(crcs, max(deadlines))
-    except DataPlaneError as e:
-        stopped = str(e)
-    if stopped is not None:
-        log.warning("data plane failed in epoch %d: %s", members.epoch, stopped)
-    return stopped
+        if crc is not None:
+            crcs[i] = crc
+    for i in list(works):
+        wait(i)
+    return stopped, crcs

@@ -7,9 +7,14 @@ gets a group of its own: one group when every server speaks the same protocol, a
 broadcasts each bucket once per group when a config mixes them. Groups are built with the same store
 layout (SGLang's), on one port each: ``master_port`` + i when a port is configured, free ports otherwise.
 
-    layout = GroupLayout.of(config, engines, world_sizes)
+A sharded trainer whose ranks own buckets (``sources`` > 1) gets, for each protocol whose receivers
+can join several groups, one group per owning trainer rank: trainer rank r is rank 0 of its own group
+with the servers, which join all of them at the same ranks (``InitGroupRequest.more_groups``), so a
+bucket crosses only from its owner to the servers. SGLang joins one group: its buckets come from rank 0.
+
+    layout = GroupLayout.of(config, engines, world_sizes, runtime, sources)
     # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
-    groups = layout.join()                    # rank 0 of every group, returns once all joined
+    groups = layout.join(rank)                # rank 0 of this trainer rank's groups, once all joined
     works = groups.broadcast_async(bucket)    # into every group
     groups.wait(works)
     groups.broadcast_checksums(crcs)          # only to the groups whose protocol expects them
@@ -33,53 +38,68 @@ log = logging.getLogger(__name__)
 
 
 class GroupLayout:
-    """One group per data-plane protocol among the servers, their ranks in config order."""
+    """The groups of one epoch: per data-plane protocol, one group per owning trainer rank (or one),
+    and every server's rank in them, in config order."""
 
-    def __init__(self, groups: list[tuple[DataPlaneProtocol, GroupSpec]], members: dict[str, tuple[GroupSpec, int]],
-                 runtime: Runtime):
+    def __init__(self, groups: list[tuple[DataPlaneProtocol, tuple[GroupSpec, ...]]],
+                 members: dict[str, tuple[tuple[GroupSpec, ...], int]], runtime: Runtime):
         self.groups = groups
         self._members = members
         self.runtime = runtime
 
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
-           runtime: Runtime) -> GroupLayout:
+           runtime: Runtime, sources: int = 1) -> GroupLayout:
         """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
-        backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise)."""
+        backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise). ``sources``: how many
+        trainer ranks send buckets."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
         backend = resolve_backend(config.backend, runtime)
-        groups, members = [], {}
-        for i, (protocol, servers) in enumerate(by_protocol.items()):
-            port = config.master_port + i if config.master_port else free_port(config.master_addr)
-            spec = GroupSpec(
-                host=config.master_addr, port=port, world_size=1 + sum(world_sizes[e.url] for e in servers),
-                group_name=config.group_name, backend=backend, timeout_s=config.deadlines.collective_s,
-            )
-            groups.append((protocol, spec))
+        groups, members, port_index = [], {}, 0
+        for protocol, servers in by_protocol.items():
+            world = 1 + sum(world_sizes[e.url] for e in servers)
+            specs = []
+            for r in range(sources if protocol.multi_group else 1):
+                port = config.master_port + port_index if config.master_port else free_port(config.master_addr)
+                port_index += 1
+                name = config.group_name if r == 0 else f"{config.group_name}.r{r}"
+                specs.append(GroupSpec(host=config.master_addr, port=port, world_size=world, group_name=name,
+                                       backend=backend, timeout_s=config.deadlines.collective_s))
+            groups.append((protocol, tuple(specs)))
             rank = 1
             for e in servers:
-                members[e.url] = (spec, rank)
+                members[e.url] = (tuple(specs), rank)
                 rank += world_sizes[e.url]
         return cls(groups, members, runtime)
 
-    def membership(self, engine: EngineClient) -> tuple[GroupSpec, int]:
-        """The group ``engine`` joins and the rank of its first worker (``init_group``'s arguments)."""
+    def membership(self, engine: EngineClient) -> tuple[tuple[GroupSpec, ...], int]:
+        """The groups ``engine`` joins and the rank of its first worker (``init_group``'s arguments)."""
         return self._members[engine.url]
 
-    def join(self) -> TrainerGroups:
-        """Join every group as rank 0; each returns once all of its servers' ranks joined."""
-        joined: list[tuple[DataPlaneProtocol, DataPlaneGroup]] = []
-        try:
-            for protocol, spec in self.groups:
-                joined.append((protocol, DataPlaneGroup.join(spec, 0, self.runtime, warmup=protocol.warmup)))
-                log.info("data-plane group for %s receivers: %d ranks on port %d", protocol.name, spec.world_size, spec.port)
-        except BaseException:
-            for _, group in joined:
-                group.close()
-            raise
-        return TrainerGroups(joined, self.runtime)
+    def specs_for(self, trainer_rank: int) -> list[tuple[DataPlaneProtocol, GroupSpec]]:
+        """The groups trainer rank ``trainer_rank`` is rank 0 of."""
+        return [(protocol, specs[trainer_rank]) for protocol, specs in self.groups if trainer_rank < len(specs)]
+
+    def join(self, trainer_rank: int = 0) -> TrainerGroups:
+        """Join this trainer rank's groups as their rank 0; each returns once all of its servers' ranks joined."""
+        return join_groups(self.specs_for(trainer_rank), self.runtime)
+
+
+def join_groups(specs: Sequence[tuple[DataPlaneProtocol, GroupSpec]], runtime: Runtime) -> TrainerGroups:
+    """Join ``specs`` as their rank 0 (a follower trainer rank gets its specs from rank 0)."""
+    joined: list[tuple[DataPlaneProtocol, DataPlaneGroup]] = []
+    try:
+        for protocol, spec in specs:
+            joined.append((protocol, DataPlaneGroup.join(spec, 0, runtime, warmup=protocol.warmup)))
+            log.info("data-plane group %s for %s receivers: %d ranks on port %d", spec.group_name, protocol.name,
+                     spec.world_size, spec.port)
+    except BaseException:
+        for _, group in joined:
+            group.close(broken=True)
+        raise
+    return TrainerGroups(joined, runtime)
 
 
 class TrainerGroups:

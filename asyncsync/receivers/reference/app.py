@@ -216,7 +216,7 @@ class ReferenceServer:
 
     async def init_group(self, request: web.Request) -> web.Response:
         req = InitGroupRequest.from_json(await _json(request))
-        await self._run(self._comm, self.receiver.join, req.group, req.rank_offset)
+        await self._run(self._comm, self.receiver.join, req.groups, req.rank_offset)
         self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -47,8 +47,9 @@ class WeightReceiver:
         """The tensor names every version must carry (the model's, a tied weight once)."""
         return list(self.stager.expected)
 
-    def join(self, spec: GroupSpec, rank: int, warmup: bool = True) -> None:
-        self.stager.join(spec, rank, warmup)
+    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
+        """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank)."""
+        self.stager.join(specs, rank, warmup)
 
     def receive(self, req: UpdateRequest) -> None:
         """Receive every bucket of ``req``; raise ``VersionRejected`` after the last one if anything

@@ -67,7 +67,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.stager.join(init_info.group, rank)
+        self.stager.join(init_info.groups, rank)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the reload is opened in ``receive_weights``, once the version is verified."""

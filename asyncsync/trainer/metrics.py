@@ -56,6 +56,7 @@ class SyncMetrics:
         self.failed = 0
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
         self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
+        self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
         self.last: SyncResult | None = None
         self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
         self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
@@ -69,6 +70,7 @@ class SyncMetrics:
         self._p_events = Counter("asyncsync_server_events", "Evictions, rejoins and refused versions", ["kind"], registry=r)
         self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
         self._p_buffers = Gauge("asyncsync_buffer_bytes", "Bytes of the sync's own buffers on the weights' device", registry=r)
+        self._p_host = Gauge("asyncsync_host_buffer_bytes", "Bytes of the sync's own buffers in host memory", registry=r)
 
     def count(self, outcome: str, n: int = 1) -> None:
         """``outcome`` is one of published, sent, superseded, failed."""
@@ -86,10 +88,11 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int) -> None:
+    def allocated(self, nbytes: int, host_nbytes: int = 0) -> None:
         with self._lock:
-            self.buffer_bytes = nbytes
+            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
         self._p_buffers.set(nbytes)
+        self._p_host.set(host_nbytes)
 
     def record(self, result: SyncResult) -> None:
         with self._lock:
@@ -109,7 +112,8 @@ class SyncMetrics:
                 last["gbps"] = self.last.gbps
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
-                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes, "last": last,
+                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
+                "host_buffer_bytes": self.host_buffer_bytes, "last": last,
                 "events": [asdict(e) for e in self.events],
             }
 

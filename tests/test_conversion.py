@@ -1,0 +1,89 @@
+"""The worked conversion of docs/sharded.md (a trainer with fused q/k/v, servers that load Qwen2's
+q_proj/k_proj/v_proj), run from the document itself: the servers receive the unfused model bit for
+bit at every version, in both modes, with the fused weights changed in place between versions (a
+conversion cached across syncs would serve stale bytes)."""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync.models import build_model
+from asyncsync.receivers.reference.app import ReferenceServer
+from asyncsync.trainer.sync import WeightSync
+
+from conftest import TINY
+from helpers import ThreadedServer, call, digest
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "sharded.md"
+
+
+def doc_conversion() -> object:
+    """``split_fused_qkv`` as docs/sharded.md defines it (its first python block that defines it)."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    source = next(b for b in blocks if "def split_fused_qkv" in b)
+    scope: dict[str, object] = {}
+    exec(compile(source, str(DOC), "exec"), scope)
+    return scope["split_fused_qkv"]
+
+
+class FusedTrainer(torch.nn.Module):
+    """The tiny Qwen2's tensors with each layer's q/k/v fused into ``qkv_proj`` (under a torch.compile
+    style ``_orig_mod.`` prefix): what the trainer holds; the servers load the unfused names."""
+
+    def __init__(self, unfused: torch.nn.Module):
+        super().__init__()
+        self._orig_mod = torch.nn.Module()
+        params = {}
+        state = unfused.state_dict()
+        for name, t in state.items():
+            if ".self_attn.q_proj." in name:
+                parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+                params[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+            elif ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+                params[name] = t.clone()
+        self.flat = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(t) for n, t in params.items()})
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"_orig_mod." + n.replace("__", "."): p for n, p in self.flat.items()}
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
+def test_the_documented_fused_qkv_conversion_is_bit_exact_version_after_version(async_mode):
+    split_fused_qkv = doc_conversion()
+    head_dim = TINY.hidden_size // TINY.num_heads
+    convert = partial(split_fused_qkv, q_size=TINY.num_heads * head_dim, kv_size=TINY.num_kv_heads * head_dim)
+    unfused = build_model(TINY)
+    trainer = FusedTrainer(unfused)
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
+        sync = WeightSync.from_config({"servers": [server.url], "async_weight_update": async_mode, "bucket_bytes": 16384})
+        sync.connect(trainer.state(), convert=convert)
+        try:
+            for version in range(1, 4):
+                sync.wait_snapshot()
+                with torch.no_grad():
+                    for p in unfused.parameters():
+                        p.add_(0.01 * version)
+                    for p in trainer.parameters():  # the trainer's fused tensors, changed in place
+                        p.add_(0.01 * version)
+                sync.publish(trainer.state(), version)
+                if not async_mode:
+                    status, answer = call(server.url, "GET", "/weights/digest")
+                    assert answer == {"version": version, "digest": digest(unfused)}
+        finally:
+            sync.close()
+        status, answer = call(server.url, "GET", "/weights/digest")
+        assert answer == {"version": 3, "digest": digest(unfused)}, "the last version, unfused, bit for bit"
+        assert sync.errors == []
+
+
+def test_a_conversion_that_returns_no_mapping_is_refused_with_its_type():
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
+        sync = WeightSync.from_config({"servers": [server.url]})
+        with pytest.raises(TypeError, match="conversion function returned a list"):
+            sync.connect(build_model(TINY), convert=lambda named: list(named.items()))
+        sync.close()

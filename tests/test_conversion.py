@@ -87,3 +87,32 @@ def test_a_conversion_that_returns_no_mapping_is_refused_with_its_type():
         with pytest.raises(TypeError, match="conversion function returned a list"):
             sync.connect(build_model(TINY), convert=lambda named: list(named.items()))
         sync.close()
+
+
+def test_doctor_prints_the_bytes_the_sync_allocates_per_mode(tmp_path):
+    """``asyncsync doctor --model-config`` reports, per mode, what connect would allocate: blocking at
+    most 2 buckets; async one snapshot of the model on the device, or 2 buckets there and the snapshot
+    in host memory (the same figures ``WeightSync.memory`` measures from the buffers)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from asyncsync.config import WeightSyncConfig
+
+    model_yaml = tmp_path / "model.yaml"
+    model_yaml.write_text(yaml.safe_dump({"model": TINY.to_dict()}))
+    sync_yaml = tmp_path / "sync.yaml"
+    sync_yaml.write_text(yaml.safe_dump({"weight_sync": {"bucket_bytes": 16384}}))
+    out = subprocess.run([sys.executable, "-m", "asyncsync.cli", "--log-level", "WARNING", "doctor", "--model-config",
+                          str(model_yaml), "--config", str(sync_yaml)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
+    measured = WeightSync(WeightSyncConfig.from_dict({"servers": ["http://unused"], "bucket_bytes": 16384})).memory(
+        build_model(TINY))
+    model_bytes = sum(t.nbytes for t in build_model(TINY).state_dict().values())
+    assert measured["async_device"] == {"device": model_bytes, "host": 0}
+    assert measured["async_host"]["host"] == model_bytes and measured["async_host"]["device"] <= 2 * 16384 * 4
+    assert measured["blocking"]["host"] == 0 and measured["blocking"]["device"] <= 2 * 16384
+    for mode, b in measured.items():
+        assert f"{b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host" in printed[mode]

@@ -145,12 +145,12 @@ class UpdateRequest:
             raise WireError(f"update.sources: {len(self.sources)} source(s) for {len(self.buckets)} bucket(s)")
         if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.sources):
             raise WireError(f"update.sources: expected group indexes >= 0, got {list(self.sources)}")
+        if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
+            raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
 
     def source(self, index: int) -> int:
         """The group bucket ``index`` arrives on (the manifest: group 0)."""
         return self.sources[index] if self.sources and index < len(self.sources) else 0
-        if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
-            raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
 
     def deadline_s(self, index: int) -> float | None:
         """Bucket ``index``'s deadline (``len(buckets)``: the manifest's), or None for the group's own."""

@@ -170,28 +170,50 @@ class WeightSync:
         owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
         return plan, owners, ties
 
+    def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str) -> tuple[Any, Any]:
+        """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or host)."""
+        cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
+        assert runtime is not None and packer is not None
+        if ranks.world > 1 or snapshot == "host":
+            layout = ShardLayout.of(plan, named, ranks.world, owners)
+            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None),
+                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot))
+        return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
+                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum))
+
     def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int]) -> None:
         """The buffers of this rank (a ring blocking, a snapshot async) and, async, the worker."""
-        cfg, ranks, runtime = self.config, self.ranks, self.runtime
-        assert runtime is not None and self._packer is not None
-        packer = self._packer
-        if ranks.world > 1 or (self.is_async and cfg.snapshot == "host"):
-            layout = ShardLayout.of(plan, named, ranks.world, owners)
-            ring: Any = lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None)  # noqa: E731
-            snapshot: Any = lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, cfg.snapshot)  # noqa: E731
-        else:
-            ring = lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS)  # noqa: E731
-            snapshot = lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum)  # noqa: E731
+        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot)
         if not self.is_async:
             self._ring = ring()
             return
-        if ranks.leader:
+        if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
             served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
         else:
             senders = [lambda v, src, res: self._follow(v, src) or res]
             served = lambda needed: min(self.server_versions.values(), default=needed)  # noqa: E731
-        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(runtime), self.metrics, ranks, served)
+        assert self.runtime is not None
+        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served)
+
+    def memory(self, model: Weights) -> dict[str, dict[str, int]]:
+        """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
+        async with the snapshot on the device, async with it in host memory), on the weights' device
+        and in host memory, as ``connect`` would allocate them (tied weights once), without any server.
+        The buffers are allocated to be measured, then released (``asyncsync doctor`` prints this)."""
+        cfg = self.config
+        named = WeightsReader(TiedNames.decide(model, None)).read(model).tensors()
+        self.runtime = runtime_for(weights_device(named))
+        self._packer = get_backend(cfg.pack_backend, self.runtime.device)
+        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes)
+        owners = [0] * len(plan.buckets)
+        out = {}
+        for mode, snapshot in (("blocking", None), ("async_device", "device"), ("async_host", "host")):
+            ring, snap = self._buffers(plan, named, owners, snapshot or "device")
+            buffers = ring() if snapshot is None else snap()
+            out[mode] = {"device": buffers.nbytes, "host": getattr(buffers, "host_nbytes", 0)}
+            del buffers
+        return out
 
     def _follow(self, version: int, source: Any) -> SyncResult | None:
         assert self._follower is not None and self.plan is not None

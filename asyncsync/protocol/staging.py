@@ -252,10 +252,11 @@ class BucketStager:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
         self._live = next(s for s in self._sets if s.buffers is staged.buffers)
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""
         groups, self.groups = self.groups, []
         for group in groups:
-            group.close()
+            group.close(broken)
 
 
 def _reject_if(problems: list[str], version: int | None) -> None:

@@ -324,8 +324,9 @@ def vllm_python(args: argparse.Namespace) -> tuple[str | None, str]:
     return python, ""
 
 
-def vllm_rows(args: argparse.Namespace, python: str) -> list[dict[str, Any]]:
-    """Both receive modes against one vLLM server (the mode travels with each update)."""
+def vllm_rows(args: argparse.Namespace, python: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Both receive modes against one vLLM server (the mode travels with each update); also the
+    worker's asyncsync log lines (load times)."""
     with tempfile.TemporaryDirectory(prefix="asyncsync-stall-") as tmp:
         model_dir = Path(tmp) / "model"
         build_model(MODEL).save_pretrained(model_dir)
@@ -335,9 +336,7 @@ def vllm_rows(args: argparse.Namespace, python: str) -> list[dict[str, Any]]:
             log.info("vLLM healthy after %.1fs", server.wait_healthy())
             load = Load(server.url, "vllm", args.concurrency, args.vllm_tokens, str(model_dir))
             rows = [run_row("vllm", receive, server.url, load, args) for receive in ("in_rpc", "background")]
-            for row in rows:
-                row["worker_log"] = [line for line in server.log_tail(4000).splitlines() if "asyncsync" in line][-40:]
-            return rows
+            return rows, [line for line in server.log_tail(4000).splitlines() if "asyncsync" in line][-60:]
         finally:
             server.stop()
 
@@ -388,6 +387,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     rows: list[dict[str, Any]] = []
+    worker_log: list[str] = []
     if "reference" not in args.skip:
         rows += reference_rows(args)
     if "vllm" not in args.skip:
@@ -396,7 +396,8 @@ def main() -> None:
             log.warning("%s", why)
             rows.append({"server": "vllm", "skipped": why})
         else:
-            rows += vllm_rows(args, python)
+            vllm, worker_log = vllm_rows(args, python)
+            rows += vllm
     for row in rows:
         if "skipped" in row:
             print(f"{row['server']:9s} {row['skipped']}")
@@ -407,7 +408,8 @@ def main() -> None:
               f"{row['stall_vs_transfer']:.2f}  latency p50/p99 {lat['without_syncs']['p50']:.3f}/{lat['without_syncs']['p99']:.3f}s "
               f"without syncs, {lat['with_syncs']['p50']:.3f}/{lat['with_syncs']['p99']:.3f}s with  ({row['syncs_ok']}/{row['syncs']} syncs)")
     settings = {k: v for k, v in vars(args).items() if k != "vllm_python"}
-    out = write_json("stall", {"model": MODEL.to_dict(), "settings": settings, "rows": rows})
+    out = write_json("stall", {"model": MODEL.to_dict(), "settings": settings, "rows": rows,
+                               "vllm_worker_log": worker_log})
     plot(rows, RESULTS / "stall.png")
     print(f"wrote {out} and {RESULTS / 'stall.png'}")
 

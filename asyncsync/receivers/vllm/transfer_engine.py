@@ -57,6 +57,11 @@ from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
 
+# How long finish_weight_update waits for a version received in the background. The trainer calls it
+# after its last broadcast, so only the verification of the last bucket is normally left; the engine
+# generates nothing meanwhile.
+FINISH_WAIT_S = 10.0
+
 
 class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
     """Receives asyncsync's buckets over a gloo (CPU) or NCCL (GPU) group and loads them whole."""
@@ -121,7 +126,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         the receive raised (a refused version); nothing is pending afterwards either way."""
         if not self.background.pending:
             return
-        staged = self.background.take()
+        staged = self.background.take(FINISH_WAIT_S)
         try:
             self._load(staged)
         finally:

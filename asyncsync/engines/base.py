@@ -86,7 +86,7 @@ class EngineClient(ABC):
 
     kind: ClassVar[str]
     protocol: ClassVar[DataPlaneProtocol] = ASYNCSYNC_PROTOCOL
-    keepalive_s: ClassVar[float] = CLIENT_KEEPALIVE_S  # must stay below the server's idle timeout
+    keepalive_s: ClassVar[float | None] = CLIENT_KEEPALIVE_S  # below the server's idle timeout; None: no reuse
 
     def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
         self.server = server

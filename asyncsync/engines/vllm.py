@@ -40,7 +40,7 @@ from typing import Any
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, UpdateRequest
-from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
+from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ SCALE_OUT_GENERATE = "/inference/v1/generate"  # served with --enable-scale-out;
 
 class VllmEngine(EngineClient):
     kind = "vllm"
-    keepalive_s = UVICORN_KEEPALIVE_S - 1.0
+    # No connection is reused: uvicorn closes one right after answering 500 for an RPC that raised,
+    # and the call after a failure is the abort's discard, which is not idempotent and never retried.
+    keepalive_s = None
 
     def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
         super().__init__(server, timeout_s, session)

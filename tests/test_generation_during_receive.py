@@ -13,40 +13,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
-from asyncsync.protocol.specs import Bucket
 from asyncsync.testing import ServerProcess
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.send import BucketSource
 
 from conftest import TINY
-from helpers import Trainer, call, weights
+from helpers import HoldAt, Trainer, call, weights
 
 HOLD_S = 1.5
 PROMPT = [3, 14, 15, 92, 65]
-
-
-class HoldAt:
-    """Wraps the trainer's bucket source: the transfer stops before bucket ``index`` until released."""
-
-    def __init__(self, inner: BucketSource, index: int):
-        self.inner, self.index = inner, index
-        self.reached, self.release = threading.Event(), threading.Event()
-
-    def reuses(self, bucket: Bucket) -> int | None:
-        return self.inner.reuses(bucket)
-
-    def bucket(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.index == self.index:
-            self.reached.set()
-            self.release.wait(60)  # bounded: the test releases it after HOLD_S
-        return self.inner.bucket(bucket)
-
-    def checksum(self, bucket: Bucket) -> object:
-        return self.inner.checksum(bucket)
 
 
 @pytest.fixture

@@ -15,17 +15,21 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from asyncsync import WeightSync
-from asyncsync.config import ServerConfig
+from asyncsync.config import ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import Generation
 from asyncsync.models import ModelConfig, build_model, generate
 from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.trainer.metrics import SyncResult
+from asyncsync.transport.send import BucketSource
+
+from helpers import HoldAt, Trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -200,6 +204,85 @@ def test_every_rollout_is_generated_by_the_one_version_it_reports(vllm_server):
     for which, gen in seen:
         assert gen.exact, f"a rollout reported mixed or unknown versions: {gen}"
         assert gen.completions[0] == expected[gen.version][which], f"version {gen.version}: tokens of another version"
+
+
+def test_in_the_background_vllm_keeps_generating_while_a_version_arrives(vllm_server):
+    """The trainer's transfer is held between two buckets for HOLD_S. With ``receive: background``
+    vLLM answers requests meanwhile, with the old version; with ``in_rpc`` (the control) its engine
+    is held inside ``/update_weights`` and answers none until the rest arrives. Both versions load."""
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    g = torch.Generator().manual_seed(3)
+    for version, receive in enumerate(("background", "in_rpc"), start=100):
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+        named = {n: t for n, t in trainer.state_dict().items()
+                 if not (model_cfg.tie_word_embeddings and n == "lm_head.weight")}  # a tied weight is sent once
+        config = WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "vllm", "receive": receive}],
+                                             "bucket_bytes": "256KiB", "backend": "gloo"})
+        sender = Trainer(config)
+        try:
+            before = int(weight_version(url)) if weight_version(url) != "default" else 0
+            served, result = requests_while_held(url, lambda hold: sender.send(named, version, wrap=hold))
+        finally:
+            sender.close()
+        print(f"receive {receive}: {len(served)} request(s) answered during a {HOLD_S}s held transfer")
+        assert result.server_versions == {url: version}, result.failures
+        if receive == "background":
+            assert len(served) >= 2, f"vLLM answered {len(served)} request(s) while the version arrived"
+            assert set(served) == {before}, f"requests answered mid-transfer must use the old version: {served}"
+        else:
+            assert served == [], "in_rpc holds the engine for the whole transfer: the control must stall"
+        assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
+
+
+HOLD_S = 5.0
+SETTLE_S = 2.0  # after the transfer is held, before requests are counted: the server is inside its update by then
+
+
+def requests_while_held(url: str, send: Callable[[Callable[[BucketSource], BucketSource]], SyncResult]
+                        ) -> tuple[list[int], SyncResult]:
+    """Runs ``send`` with its transfer held before bucket 2 for ``HOLD_S``; returns the versions of
+    the requests sent and answered in that window after ``SETTLE_S``, and the sync's result."""
+    holder: list[HoldAt] = []
+
+    def wrap(source: BucketSource) -> BucketSource:
+        holder.append(HoldAt(source, 2))
+        return holder[0]
+
+    outcome: list[SyncResult] = []
+    sender = threading.Thread(target=lambda: outcome.append(send(wrap)), daemon=True)
+    answered: list[tuple[float, float, int]] = []  # sent, answered, version
+    stop = threading.Event()
+
+    def requests() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            _, version = greedy(url)
+            answered.append((sent, time.monotonic(), version))
+
+    client = threading.Thread(target=requests, daemon=True)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not holder and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holder and holder[0].reached.wait(60), "the transfer never reached the held bucket"
+        time.sleep(SETTLE_S)
+        window = (time.monotonic(), time.monotonic() + HOLD_S - SETTLE_S)
+        client.start()
+        time.sleep(max(0.0, window[1] - time.monotonic()))
+    finally:
+        if holder:
+            holder[0].release.set()
+        sender.join(120)
+        stop.set()
+        if client.ident is not None:
+            client.join(120)
+    served = [v for sent, done, v in answered if window[0] <= sent and done <= window[1]]
+    return served, outcome[0]
 
 
 def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():

@@ -368,6 +368,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def summary(row: dict[str, Any]) -> str:
+    """One line per row, as printed at the end of a run."""
+    if "skipped" in row:
+        return f"{row['server']:9s} {row['skipped']}"
+    lat = row["latency_s"]
+    return (f"{row['server']:9s} {row['receive']:10s} transfer {row['transfer_s']:.3f}s  stall {row['stall_s']:.3f}s "
+            f"(max {row['stall_max_s']:.3f})  switch {row['switch_s'] or 0:.3f}s  stall/transfer "
+            f"{row['stall_vs_transfer']:.2f}  latency p50/p99 {lat['without_syncs']['p50']:.3f}/{lat['without_syncs']['p99']:.3f}s "
+            f"without syncs, {lat['with_syncs']['p50']:.3f}/{lat['with_syncs']['p99']:.3f}s with  ({row['syncs_ok']}/{row['syncs']} syncs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--syncs", type=int, default=6)
@@ -399,14 +410,7 @@ def main() -> None:
             vllm, worker_log = vllm_rows(args, python)
             rows += vllm
     for row in rows:
-        if "skipped" in row:
-            print(f"{row['server']:9s} {row['skipped']}")
-            continue
-        lat = row["latency_s"]
-        print(f"{row['server']:9s} {row['receive']:10s} transfer {row['transfer_s']:.3f}s  stall {row['stall_s']:.3f}s "
-              f"(max {row['stall_max_s']:.3f})  switch {row['switch_s'] or 0:.3f}s  stall/transfer "
-              f"{row['stall_vs_transfer']:.2f}  latency p50/p99 {lat['without_syncs']['p50']:.3f}/{lat['without_syncs']['p99']:.3f}s "
-              f"without syncs, {lat['with_syncs']['p50']:.3f}/{lat['with_syncs']['p99']:.3f}s with  ({row['syncs_ok']}/{row['syncs']} syncs)")
+        print(summary(row))
     settings = {k: v for k, v in vars(args).items() if k != "vllm_python"}
     out = write_json("stall", {"model": MODEL.to_dict(), "settings": settings, "rows": rows,
                                "vllm_worker_log": worker_log})

@@ -83,9 +83,10 @@ class BucketStager:
         self.runtime = runtime or HostRuntime()
         # With ``arena``, one flat buffer of a whole version is allocated now, at start-up, and every
         # version is received into views of it (a receiver that copies a version out, like vLLM's,
-        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run.
+        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run,
+        # and written once, so that an engine sizing them from resident memory (vLLM on CPU) sees it.
         total = sum(spec.nbytes for spec in self.expected.values())
-        self.arena = torch.empty(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
+        self.arena = torch.zeros(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
@@ -252,10 +253,11 @@ class BucketStager:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
         self._live = next(s for s in self._sets if s.buffers is staged.buffers)
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""
         groups, self.groups = self.groups, []
         for group in groups:
-            group.close()
+            group.close(broken)
 
 
 def _reject_if(problems: list[str], version: int | None) -> None:

@@ -123,6 +123,9 @@ class BucketMeta:
         return Bucket(index, tuple(specs), tuple(offsets), offset)
 
 
+RECEIVE_MODES = ("background", "in_rpc")
+
+
 @dataclass(frozen=True)
 class UpdateRequest:
     """A whole version: every bucket's metadata, in broadcast order. With ``checksum`` the trainer
@@ -130,13 +133,20 @@ class UpdateRequest:
 
     ``deadlines_s`` (optional, one per bucket) is how long each bucket's broadcast may take: the
     trainer derives it from the measured rate (``transport.pace``), and a receiver that waits longer
-    for a bucket gives up then instead of at the group's own timeout (the manifest gets the largest)."""
+    for a bucket gives up then instead of at the group's own timeout (the manifest gets the largest).
+
+    ``receive`` says where a receiver that can do either receives the version (asyncsync's vLLM
+    engine): ``in_rpc`` inside the call that carries this request, which is answered once the version
+    is received, verified and applied (the default, and what every other receiver does);
+    ``background`` on a worker thread, answering at once: the version is verified there and applied,
+    or refused, by the call that ends the update."""
 
     version: int
     buckets: tuple[BucketMeta, ...]
     checksum: bool
     deadlines_s: tuple[float, ...] = ()
     sources: tuple[int, ...] = ()  # per bucket, the group it arrives on (InitGroupRequest.groups); () = all group 0
+    receive: str = "in_rpc"
 
     def __post_init__(self) -> None:
         if self.deadlines_s and len(self.deadlines_s) != len(self.buckets):
@@ -147,6 +157,8 @@ class UpdateRequest:
             raise WireError(f"update.sources: expected group indexes >= 0, got {list(self.sources)}")
         if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
             raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
+        if self.receive not in RECEIVE_MODES:
+            raise WireError(f"update.receive: expected one of {list(RECEIVE_MODES)}, got {self.receive!r}")
 
     def source(self, index: int) -> int:
         """The group bucket ``index`` arrives on (the manifest: group 0)."""
@@ -164,6 +176,8 @@ class UpdateRequest:
             out["deadlines_s"] = list(self.deadlines_s)
         if self.sources:
             out["sources"] = list(self.sources)
+        if self.receive != "in_rpc":
+            out["receive"] = self.receive
         return out
 
     @classmethod
@@ -175,8 +189,29 @@ class UpdateRequest:
         checksum = _field(data, "checksum", bool, "update")
         deadlines = _field(data, "deadlines_s", list, "update") if "deadlines_s" in data else []
         sources = _field(data, "sources", list, "update") if "sources" in data else []
+        receive = _field(data, "receive", str, "update") if "receive" in data else "in_rpc"
         buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
-        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources))
+        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive)
+
+
+@dataclass(frozen=True)
+class DiscardRequest:
+    """Drop what a receiver holds of ``version`` without applying it: a version being received, or
+    received, in the background (``UpdateRequest.receive``) that the trainer abandoned. The receiver
+    stops a receive still in progress by leaving the group (the trainer forms a new one). Carried
+    where an ``UpdateRequest`` would be (vLLM's ``update_info``)."""
+
+    version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"discard": self.version}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DiscardRequest:
+        version = _field(data, "discard", int, "discard")
+        if version < 0:
+            raise WireError(f"discard: must be >= 0, got {version}")
+        return cls(version)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,9 @@ class WeightSync:
             self.close()
             raise
         self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes)
+        staging = {e.url: e.staging_bytes(plan.total_bytes, m.server_ranks[e.url])  # rank 0's members
+                   for m in self._members for e in m.engines if e.url in m.server_ranks}
+        self.metrics.staging({u: n for u, n in staging.items() if n is not None})
         log.info("connected: %s mode, rank %d of %d, pack backend %s, %d bucket(s), %.1f MB of sync buffers on the "
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)

@@ -81,6 +81,7 @@ class Membership:
         self.session = session or new_session()  # sent with every call; its random part names the groups
         self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s, self.session) for s in config.servers]
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
+        self.server_ranks: dict[str, int] = {}  # data-plane ranks each server reported (at its last epoch)
         self.members: list[EngineClient] = []
         self.evicted: dict[str, str] = {}
         self.group: TrainerGroups | None = None
@@ -148,6 +149,7 @@ class Membership:
         self.conflicts = {}
         cfg = self.config
         sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        self.server_ranks.update({u: n for u, n in sizes.items() if isinstance(n, int)})
         unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
         if refuse_unsupported and unsupported:
             raise unsupported[0]

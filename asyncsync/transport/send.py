@@ -112,11 +112,14 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             raise
 
     # One future per server, so the broadcast can watch them: a server whose update is answered
-    # before its data was sent is not receiving, and the rest of the version is not broadcast (a
-    # sharded trainer's ranks go through every bucket together: there, deadlines end it).
+    # before its data was sent is not receiving (unless it receives in the background and said yes),
+    # and the rest of the version is not broadcast (a sharded trainer's ranks go through every bucket
+    # together: there, deadlines end it).
     posted = {e.url: members.control.submit(begin_and_update(e)) for e in engines}
+    background = frozenset(e.url for e in engines if e.receives_in_background)
     try:
-        broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, posted if ranks.world == 1 else None)
+        broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
+                                  posted if ranks.world == 1 else None, background)
         broken = _finish_data_path(members, plan, broken, crcs, deadlines)
     except TrainerRankLost:
         # Another trainer rank is gone: its buckets will never come. The dropped group fails every
@@ -134,7 +137,11 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if isinstance(broken, PackFailed):
         # The trainer abandoned the version: every server's update failed with the dropped group (and
         # was aborted), none is sent ``end``, so each keeps serving its last complete version. No
-        # server is to blame: a new epoch over the same servers, then the caller hears why.
+        # server is to blame: a new epoch over the same servers, then the caller hears why. A server
+        # receiving in the background said yes before the group was dropped: it is told to discard.
+        answered = [e for e in engines if not isinstance(updated[e.url], BaseException)]
+        _collect({e.url: members.control.submit(abort(e)) for e in answered},
+                 max((deadline(e, "abort") for e in answered), default=0.0))
         members.form(engines)
         ranks.from_leader(("done", None))
         cause, broken = broken.cause, None
@@ -146,6 +153,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
+    result.switch_s = {e.url: e.last_switch_s for e in took
+                       if e.url in result.server_versions and e.last_switch_s is not None}
     members.server_versions.update(result.server_versions)
     failures = {u: r for u, r in (updated | ended).items() if isinstance(r, BaseException)}
     result.failures = {u: str(r) for u, r in failures.items()}
@@ -180,12 +189,15 @@ def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float
     return out
 
 
-def _answered_early(posted: dict[str, concurrent.futures.Future[Any]]) -> str | None:
+def _answered_early(posted: dict[str, concurrent.futures.Future[Any]], background: frozenset[str]) -> str | None:
     """A server that answered its update before the broadcast ended is not receiving it (it failed or
-    refused before any data): what it said, or None when every server is still receiving."""
+    refused before any data), unless it receives in the background and answered yes: what it said,
+    or None when every server is still receiving."""
     for url, future in posted.items():
         if future.done():
             error = future.exception()
+            if error is None and url in background:
+                continue
             return f"{url} answered before its data was sent ({error or 'no error'}): the version cannot complete"
     return None
 
@@ -266,7 +278,8 @@ def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
 
 def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
                result: SyncResult | None, deadlines: tuple[float, ...],
-               posted: dict[str, concurrent.futures.Future[Any]] | None) -> tuple[str | PackFailed | None, dict[int, Any]]:
+               posted: dict[str, concurrent.futures.Future[Any]] | None,
+               background: frozenset[str] = frozenset()) -> tuple[str | PackFailed | None, dict[int, Any]]:
     """Every bucket, each with its deadline: a sharded trainer's ranks send each bucket's pieces to
     its owner, which broadcasts it; a single process broadcasts every bucket. Returns what broke the
     data plane, as text (an exception kept here would hold the group's sockets through its traceback)
@@ -297,7 +310,7 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         if before is not None and before in works:
             wait(before)  # that buffer is rewritten only once its broadcast finished
         if posted is not None and stopped is None:
-            stopped = _answered_early(posted)
+            stopped = _answered_early(posted, background)
         if stopped is not None and not sharded:
             break
         t0 = time.perf_counter()

@@ -157,8 +157,10 @@ class Membership:
         claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
         alive = self._drop_unreachable(alive, claims)
         token = self.session.rsplit(":", 1)[-1]
+        retried = False
         while alive:
             self.epoch += 1
+            port_taken = False
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
@@ -170,6 +172,7 @@ class Membership:
             except DataPlaneError as e:
                 log.warning("epoch %d: forming the groups failed: %s", self.epoch, e)
                 group = None
+                port_taken = "EADDRINUSE" in str(e)
             answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
             still = self._drop_unreachable(alive, answers)
             formed = all(self.ranks.gather_objects(group is not None) or [])
@@ -181,7 +184,10 @@ class Membership:
                 break
             if group is not None:
                 group.close(broken=True)
-            if len(still) == len(alive):  # everyone answered yet the group did not form: give up this round
+            if len(still) == len(alive):  # everyone answered yet the group did not form
+                if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
+                    retried = True
+                    continue
                 for e in alive:
                     self.evict(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
                 still = []

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
+from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
@@ -55,7 +56,9 @@ class EngineClient(ABC):
 
         n = await client.world_size()                 # data-plane ranks the server contributes
         await client.claim(takeover)                  # the server is this trainer session's (or 423)
-        await client.init_group(spec, rank_offset)    # answered once the server's ranks joined
+        host = await client.host_identity()           # same host as the trainer: shared memory, no group
+        await client.init_group(spec, rank_offset)    # answered once the server's ranks joined (not
+                                                      # for a server on shared memory)
         names = await client.expected_names()         # at connect: the tensor names it loads, or None
         for version in versions:
             await client.begin(version)
@@ -84,6 +87,8 @@ class EngineClient(ABC):
         self.server = server
         self.session = session  # the trainer session this client speaks for (sent with every call)
         self.http = HttpClient(server.base_url, server.token, timeout_s, self.keepalive_s, session=session)
+        # The trainer's shared-memory segments the server still maps, as its last ``end`` answered.
+        self.holds: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -99,6 +104,12 @@ class EngineClient(ABC):
 
     async def release(self) -> None:
         """Tell the server this trainer session is done with it (its ``close()``); best effort."""
+
+    async def host_identity(self) -> HostIdentity | None:
+        """Whose shared memory the server sees (``protocol/shm.py``), or None when it cannot tell or
+        cannot receive from shared memory (the default): then it gets the data-plane broadcast, unless
+        the config says ``transport: shm``."""
+        return None
 
     @abstractmethod
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:

@@ -10,6 +10,7 @@ differ in where the bytes are packed from (the live weights into a ring of a few
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +26,8 @@ from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import send_version
+from asyncsync.transport.send import BucketSource, send_version
+from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class WeightSync:
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
         self._ring: PackedBuffers | None = None
+        self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
+        self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
         self._reader = WeightsReader()
         self.runtime: Runtime | None = None
         self._last_version = 0
@@ -80,10 +84,12 @@ class WeightSync:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots async)."""
+        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots
+        async, and the shared-memory segments same-host servers map)."""
+        shared = self._pool.allocated if self._pool is not None else 0
         if self._worker is not None:
-            return self._worker.nbytes
-        return self._ring.nbytes if self._ring is not None else 0
+            return self._worker.nbytes + shared
+        return (self._ring.nbytes if self._ring is not None else 0) + shared
 
     def connect(self, model: Weights) -> None:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
@@ -109,10 +115,15 @@ class WeightSync:
             single_dtype = any(m.single_dtype_buckets for m in self._members)
             self.plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
 
+            self._pool = shared_pool(self._members, self.plan)  # same-host servers: shared memory
+
             def buffers(slots: int | None = None) -> PackedBuffers:
                 assert self.plan is not None and self._packer is not None
-                return PackedBuffers(self.plan, device, self._packer, cfg.checksum, slots)
+                pool = self._pool if slots is None else None
+                return PackedBuffers(self.plan, device, self._packer, cfg.checksum, slots, pool)
 
+            if self._pool is not None and not self.is_async:
+                self._shared = buffers()  # blocking mode: every version packed into a leased segment
             if self.is_async:
                 self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet(runtime), self.metrics)
             else:
@@ -146,10 +157,21 @@ class WeightSync:
         if version <= self._last_version:
             raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
         assert self._ring is not None and self.plan is not None
-        source = self._ring.packing(self._reader.read(model).tensors())  # raises before anything is sent
+        members = self._members[0]  # blocking mode has one membership
+        members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
+        named = self._reader.read(model).tensors()
+        result = SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
+        if self._shared is not None and members.shared:
+            t0 = time.perf_counter()
+            result.started = t0
+            self._shared.pack_all(named)  # raises before anything is sent
+            result.pack_s = time.perf_counter() - t0
+            source: BucketSource = self._shared.packed()
+        else:
+            source = self._ring.packing(named)  # raises before anything is sent
         self._last_version = version
         self.metrics.count("published")
-        result = send_version(self._members[0], version, self.plan, source)  # blocking mode has one membership
+        result = send_version(members, version, self.plan, source, result)
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
@@ -212,7 +234,10 @@ class WeightSync:
         if self._control is not None:
             self._control.close()
             self._control = None
-        self._ring = None
+        self._ring = self._shared = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         self._reader.close()
 
     def __enter__(self) -> WeightSync:
@@ -220,3 +245,15 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def shared_pool(memberships: list[Membership], plan: BucketPlan) -> SegmentPool | None:
+    """The shared-memory segments versions are packed into when a server maps them (``transport``),
+    known to every membership so it can track what its servers hold; None when no server is on
+    shared memory."""
+    if not any(m.shared for m in memberships):
+        return None
+    pool = SegmentPool([b.nbytes for b in plan.buckets])
+    for m in memberships:
+        m.pool = pool
+    return pool

@@ -124,3 +124,21 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def sweep_stale() -> list[str]:
+    """Unlink segments left by asyncsync trainers that no longer run (their pid is in the name)."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        pid = segment_pid(name)
+        if pid is not None and pid != os.getpid() and not alive(pid):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

@@ -156,11 +156,11 @@ class Membership:
         if refuse_unsupported and unsupported:
             raise unsupported[0]
         alive = self._drop_unreachable(candidates, sizes)
-        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
-        alive = self._drop_unreachable(alive, claims)
-        self.shared = self._same_host(alive, refuse_unsupported)
+        self.shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
         if cfg.transport == "shm":
             alive = [e for e in alive if e.url in self.shared]  # the others were evicted: not on this host
+        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
+        alive = self._drop_unreachable(alive, claims)
         token = self.session.rsplit(":", 1)[-1]
         while alive:
             self.epoch += 1

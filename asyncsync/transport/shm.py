@@ -13,8 +13,10 @@ it (a version being sent). A server's holds come from its own answers; a server 
 held or was reading is *retired*: unlinked and never written again, so what a hung server maps
 stays intact, and no other server waits for it. Segments are named
 ``asyncsync-<trainer pid>-<token>-<n>``: ``close`` unlinks them; after a crash of the trainer its
-``multiprocessing`` resource tracker (a separate process) unlinks them, and the next trainer's
-``sweep_stale`` removes those of any trainer pid that no longer exists (a tracker killed too).
+``multiprocessing`` resource tracker (a separate process, unless the trainer was spawned by a process
+whose tracker it shares) unlinks them, a same-host reference server that maps one removes every
+segment whose trainer pid no longer exists within a second (``protocol.shm.sweep_stale``), and so
+does the next trainer's pool when it starts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from asyncsync.protocol.shm import SEGMENT_PREFIX, SHM_DIR, HostIdentity, aligned_offsets, alive, segment_pid
+from asyncsync.protocol.shm import SEGMENT_PREFIX, HostIdentity, aligned_offsets, sweep_stale
 
 log = logging.getLogger(__name__)
 
@@ -128,21 +130,3 @@ class SegmentPool:
             for s in self._segments:
                 s.close()
             self._segments, self._holds = [], {}
-
-
-def sweep_stale() -> list[str]:
-    """Unlink segments left by asyncsync trainers that no longer run (their pid is in the name)."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        pid = segment_pid(name)
-        if pid is not None and pid != os.getpid() and not alive(pid):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed

@@ -50,7 +50,7 @@ from aiohttp import web
 from asyncsync.models import generate
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
-from asyncsync.protocol.shm import HostIdentity
+from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import (
     OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest, WireError,
@@ -73,6 +73,7 @@ WEIGHT_ROUTES = frozenset({
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
     "/continue_generation",
 })
+SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -120,10 +121,24 @@ class ReferenceServer:
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
             *self.sglang.routes(),
         ])
+        app.on_startup.append(self._start_sweeping)
         app.on_cleanup.append(self._close)
         return app
 
-    async def _close(self, _app: web.Application) -> None:
+    async def _start_sweeping(self, app: web.Application) -> None:
+        app["sweeper"] = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """While this server maps a trainer's shared memory, remove the segments of trainers that no
+        longer run (a trainer killed before it could unlink them): a crash leaves nothing in /dev/shm."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            if self.receiver.holds:
+                for name in sweep_stale():
+                    log.warning("removed shared-memory segment %s: its trainer no longer runs", name)
+
+    async def _close(self, app: web.Application) -> None:
+        app["sweeper"].cancel()
         self.sglang.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)

@@ -73,7 +73,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """Nothing to prepare: the reload is opened in ``receive_weights``, once the version is verified."""
 
     def receive_weights(self, update_info: UpdateRequest) -> None:  # type: ignore[override]
-        staged = self.stager.receive(update_info, self.version)  # raises VersionRejected; model untouched
+        # From the data plane, or (``transport: shm``, same host) copied once from the trainer's shared
+        # memory into the arena; either way verified before the model is touched (raises VersionRejected).
+        stager = self.stager
+        staged = stager.adopt(update_info, self.version) if update_info.shm is not None else stager.receive(update_info, self.version)
         self.ties.check(staged.version)  # raises VersionRejected; model untouched
         self._load(staged)
         self.version = staged.version

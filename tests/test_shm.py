@@ -219,10 +219,10 @@ def test_segments_of_dead_trainers_are_swept():
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_server_that_dies_or_hangs_while_reading_blocks_no_one_and_its_segment_is_retired(how):
-    """One server holds its ``/update`` answer for 30 s (it has mapped the segment) and is killed, or
+    """One server holds its ``/update`` answer for 10 s (it has mapped the segment) and is killed, or
     just hangs, meanwhile; the other applies the version, the trainer returns at the deadline, and the
     segment the lost server may still read is unlinked and never written again."""
-    slow = Faults(call_delay_s=(("/update", 30.0),))
+    slow = Faults(call_delay_s=(("/update", 10.0),))
     with running([ServerProcess(mixed_dtype_model, (TINY,)), ServerProcess(mixed_dtype_model, (TINY,), faults=slow)]) as (good, bad):
         model = mixed_dtype_model(TINY)
         cfg = config([good.url, bad.url], deadlines={"http_s": 4.0}, readmit_interval_s=600)

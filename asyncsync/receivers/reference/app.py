@@ -74,6 +74,7 @@ WEIGHT_ROUTES = frozenset({
     "/continue_generation",
 })
 SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
+SWEEPER = web.AppKey("sweeper", asyncio.Task)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -126,7 +127,7 @@ class ReferenceServer:
         return app
 
     async def _start_sweeping(self, app: web.Application) -> None:
-        app["sweeper"] = asyncio.create_task(self._sweep())
+        app[SWEEPER] = asyncio.create_task(self._sweep())
 
     async def _sweep(self) -> None:
         """While this server maps a trainer's shared memory, remove the segments of trainers that no
@@ -138,7 +139,7 @@ class ReferenceServer:
                     log.warning("removed shared-memory segment %s: its trainer no longer runs", name)
 
     async def _close(self, app: web.Application) -> None:
-        app["sweeper"].cancel()
+        app[SWEEPER].cancel()
         self.sglang.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)

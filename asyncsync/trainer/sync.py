@@ -161,17 +161,18 @@ class WeightSync:
         members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
         named = self._reader.read(model).tensors()
         result = SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
+        packed_s = 0.0
         if self._shared is not None and members.shared:
-            t0 = time.perf_counter()
-            result.started = t0
-            self._shared.pack_all(named)  # raises before anything is sent
-            result.pack_s = time.perf_counter() - t0
+            result.started = t0 = time.perf_counter()
+            self._shared.pack_all(named)  # the whole version, before the servers are told; raises before anything is sent
+            packed_s = time.perf_counter() - t0
             source: BucketSource = self._shared.packed()
         else:
             source = self._ring.packing(named)  # raises before anything is sent
         self._last_version = version
         self.metrics.count("published")
         result = send_version(members, version, self.plan, source, result)
+        result.pack_s += packed_s
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result

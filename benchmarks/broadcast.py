@@ -117,9 +117,7 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                     times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
                     for round_ in range(rounds):
                         t0 = time.perf_counter()
-                        group.broadcast(flat)
-                        group.barrier()
-                        t1 = time.perf_counter()
+                        t1 = t0 + timed_flat(group, flat)
                         for t in named.values():
                             group.broadcast(t)
                         group.barrier()
@@ -151,6 +149,14 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                 p.kill()
 
 
+def timed_flat(group: DataPlaneGroup, flat: torch.Tensor) -> float:
+    """Seconds for one raw broadcast of ``flat`` to every receiver (until all of them have it)."""
+    t0 = time.perf_counter()
+    group.broadcast(flat)
+    group.barrier()
+    return time.perf_counter() - t0
+
+
 def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module, servers: list[ServerProcess],
                bucket_bytes: int, rounds: int, version: int) -> dict[str, Any]:
     """Rounds of (raw flat broadcast, blocking sync through shared memory) to the same servers; the
@@ -160,17 +166,15 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
     with WeightSync(cfg) as sync:
         sync.connect(model)
         for round_ in range(rounds):
-            t0 = time.perf_counter()
-            group.broadcast(flat)
-            group.barrier()
-            t1 = time.perf_counter()
+            flat_s = timed_flat(group, flat)
             version += 1
+            t0 = time.perf_counter()
             last = sync.publish(model, version)
-            t2 = time.perf_counter()
+            sync_s = time.perf_counter() - t0
             assert last is not None and len(last.server_versions) == len(servers), last and last.failures
             if round_ >= WARMUP_ROUNDS:
-                times["flat_s"].append(t1 - t0)
-                times["sync_s"].append(t2 - t1)
+                times["flat_s"].append(flat_s)
+                times["sync_s"].append(sync_s)
         shm_bytes = sync.buffer_bytes
     block: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     return block | {"bucket_bytes": bucket_bytes, "shm_bytes": shm_bytes,

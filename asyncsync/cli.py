@@ -72,7 +72,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_doctor(_args: argparse.Namespace) -> int:
+def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
     from asyncsync.packing.native import status
@@ -82,6 +82,25 @@ def cmd_doctor(_args: argparse.Namespace) -> int:
     print(f"data-plane backend (auto): {HostRuntime.wire_backend} for CPU weights, {CudaRuntime.wire_backend} for CUDA weights")
     for key, value in status().items():
         print(f"{key}: {value}")
+    if args.model_config:
+        from asyncsync.config import ConfigError, WeightSyncConfig
+        from asyncsync.models import ModelConfig, build_model
+        from asyncsync.trainer.sync import WeightSync
+
+        try:
+            data = _load_yaml(args.model_config)
+            model_cfg = ModelConfig.from_dict(data.get("policy", data.get("model", data)))
+            sync_data = _load_yaml(args.config)
+            sync_cfg = WeightSyncConfig.from_dict({**sync_data.get("weight_sync", sync_data), "servers": ["http://unused"]})
+        except (ConfigError, OSError) as e:
+            print(f"asyncsync doctor: bad configuration: {e}", file=sys.stderr)
+            return 2
+        model = build_model(model_cfg)
+        model_bytes = sum(t.nbytes for t in model.state_dict().values())
+        print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
+              "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
+        for mode, b in WeightSync(sync_cfg).memory(model).items():
+            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host")
     return 0
 
 
@@ -112,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     grpo.add_argument("--json", help="also write the run's summary and per-step records here")
     grpo.set_defaults(fn=cmd_grpo)
 
-    doctor = sub.add_parser("doctor", help="report which pack, checksum and data-plane paths are active")
+    doctor = sub.add_parser("doctor", help="report which pack, checksum and data-plane paths are active, and the "
+                                           "memory the sync allocates for a model")
+    doctor.add_argument("--model-config", help="YAML with a model shape ('policy:' or 'model:' section, or the fields): "
+                                               "print the bytes the sync allocates for it in each mode")
+    doctor.add_argument("--config", help="YAML with the weight_sync settings (a 'weight_sync:' section or the fields)")
     doctor.set_defaults(fn=cmd_doctor)
 
     args = parser.parse_args(argv)

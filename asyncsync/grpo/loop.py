@@ -4,6 +4,10 @@ Per step: sample a group of completions per prompt from the servers (each group 
 weight version that generated it), keep the groups within ``max_staleness`` (``filter_fresh``;
 dropped ones are resampled once the servers caught up), compute the clipped GRPO loss, and change
 the parameters only after ``wait_snapshot``; then ``publish`` the new version.
+
+With ``trainer_ranks: N`` the same loop runs on N spawned CPU ranks (gloo), the policy
+``fully_shard``-ed over them (FSDP2): rank 0 samples the rollouts and hands every rank the groups,
+each rank takes its share of them (data parallel), and every rank calls the sync, as a collective.
 """
 
 from __future__ import annotations
@@ -109,34 +113,51 @@ def run_grpo(cfg: GRPOConfig, progress: bool = False,
              make_sync: Callable[[WeightSyncConfig], TrainerSync] = WeightSync) -> RunSummary:
     """Train ``cfg.policy`` on the addition task with rollouts from the servers; returns the summary.
 
-    ``make_sync`` builds the weight sync from the config (benchmarks pass a no-op one for a baseline)."""
+    ``make_sync`` builds the weight sync from the config (benchmarks pass a no-op one for a baseline;
+    a single trainer process only)."""
+    with servers_for(cfg) as servers:
+        if cfg.trainer_ranks == 1:
+            return _train(cfg, servers, progress, make_sync)
+        return _train_on_ranks(cfg, servers, progress)
+
+
+def _train(cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool,
+           make_sync: Callable[[WeightSyncConfig], TrainerSync] = WeightSync, rank: int = 0, world: int = 1) -> RunSummary:
+    """The loop on one trainer rank (the only one, or one of ``world`` sharded ranks)."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     mode = "async" if cfg.weight_sync.async_weight_update else "blocking"
-    with servers_for(cfg) as servers:
-        policy = build_model(cfg.policy).train()
-        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, fused=True)
-        sync = make_sync(cfg.weight_sync.replace(servers=servers))
-        rollouts = RolloutClient(servers, cfg.weight_sync.deadlines.http_s)
-        bar = _progress(cfg.steps, mode) if progress else None
-        records: list[StepRecord] = []
-        try:
-            sync.connect(policy)
-            version = max(sync.server_versions.values())
-            start = time.perf_counter()
-            for step in range(cfg.steps):
-                record = _step(cfg, step, version, policy, optimizer, sync, rollouts, rng)
-                version += 1
-                records.append(record)
-                if bar is not None:
-                    bar.set_postfix(reward=f"{record.reward:.2f}", lag=record.version_lag, sync_ms=f"{record.sync_s * 1e3:.0f}")
-                    bar.update()
-            sync.close()  # drain inside the timed region: the last version reaches every server
-            wall = time.perf_counter() - start
-        finally:
+    policy = build_model(cfg.policy).train()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in policy.model.layers:
+            fully_shard(layer)
+        fully_shard(policy)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, fused=world == 1)
+    sync = make_sync(cfg.weight_sync.replace(servers=servers))
+    rollouts = RolloutClient(servers, cfg.weight_sync.deadlines.http_s) if rank == 0 else None
+    bar = _progress(cfg.steps, mode) if progress and rank == 0 else None
+    records: list[StepRecord] = []
+    try:
+        sync.connect(policy)
+        version = max(sync.server_versions.values()) if rank == 0 else 0
+        version = _from_rank_0(version, world)
+        start = time.perf_counter()
+        for step in range(cfg.steps):
+            record = _step(cfg, step, version, policy, optimizer, sync, rollouts, rng, rank, world)
+            version += 1
+            records.append(record)
             if bar is not None:
-                bar.close()
-            sync.close()
+                bar.set_postfix(reward=f"{record.reward:.2f}", lag=record.version_lag, sync_ms=f"{record.sync_s * 1e3:.0f}")
+                bar.update()
+        sync.close()  # drain inside the timed region: the last version reaches every server
+        wall = time.perf_counter() - start
+    finally:
+        if bar is not None:
+            bar.close()
+        sync.close()
+        if rollouts is not None:
             rollouts.close()
     rewards = [r.reward for r in records]
     k = max(1, len(rewards) // 10)
@@ -148,20 +169,99 @@ def run_grpo(cfg: GRPOConfig, progress: bool = False,
     )
 
 
+def _from_rank_0(obj: Any, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank, over the trainer's own default group (on the trainer's thread)."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _train_on_ranks(cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool) -> RunSummary:
+    """Spawn ``cfg.trainer_ranks`` ranks (gloo on loopback) and return rank 0's summary; every rank is
+    joined, or killed once rank 0 reported (or failed)."""
+    import multiprocessing as mp
+    import queue as queue_module
+
+    from asyncsync.protocol.group import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    level = logging.getLogger().level
+    procs = [ctx.Process(target=_rank_main, args=(cfg, servers, progress, r, port, results, level), daemon=True)
+             for r in range(cfg.trainer_ranks)]
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                summary, error = results.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a trainer rank exited: " + ", ".join(
+                        f"rank {r} with code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)))
+        if error is not None:
+            raise RuntimeError(f"trainer rank 0 failed:\n{error}")
+        return summary
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _rank_main(cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool, rank: int, port: int,
+               results: Any, level: int) -> None:
+    import datetime
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=max(level, logging.WARNING) if rank else level,
+                        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.trainer_ranks, timeout=datetime.timedelta(minutes=10))
+    try:
+        summary = _train(cfg, servers, progress, rank=rank, world=cfg.trainer_ranks)
+        if rank == 0:
+            results.put((summary, None))
+    except BaseException:
+        if rank == 0:
+            results.put((None, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          sync: TrainerSync, rollouts: RolloutClient, rng: random.Random) -> StepRecord:
+          sync: TrainerSync, rollouts: RolloutClient | None, rng: random.Random, rank: int = 0, world: int = 1) -> StepRecord:
     t0 = time.perf_counter()
-    problems = sample_problems(cfg.prompts_per_step, rng)
-    groups, dropped = _fresh_groups(cfg, problems, version, sync, rollouts, seed=cfg.seed * 100_003 + step * 1009)
-    kept = [p for p, g in zip(problems, groups) if g is not None]
-    groups = [g for g in groups if g is not None]
+    kept: list[Problem] = []
+    groups: list[Group] = []
+    dropped = 0
+    if rank == 0:
+        assert rollouts is not None
+        problems = sample_problems(cfg.prompts_per_step, rng)
+        sampled, dropped = _fresh_groups(cfg, problems, version, sync, rollouts, seed=cfg.seed * 100_003 + step * 1009)
+        kept = [p for p, g in zip(problems, sampled) if g is not None]
+        groups = [g for g in sampled if g is not None]
+    kept, groups, dropped = _from_rank_0((kept, groups, dropped), world)
     rewards = [[p.reward(list(c)) for c in g.completions] for p, g in zip(kept, groups)]
+    mine = list(range(rank, len(groups), world)) or list(range(len(groups)))  # this rank's share (data parallel)
     t1 = time.perf_counter()
     if cfg.simulate_step_s:
         time.sleep(cfg.simulate_step_s)  # a simulated accelerator: the host waits while the "GPU" computes
     old_logp, stall = None, 0.0
     for epoch in range(cfg.ppo_epochs):
-        loss, logp = grpo_loss(policy, groups, rewards, old_logp, cfg.clip_eps)
+        loss, logp = grpo_loss(policy, [groups[i] for i in mine], [rewards[i] for i in mine], old_logp, cfg.clip_eps)
         old_logp = logp if old_logp is None else old_logp
         loss.backward()
         if epoch == 0:

@@ -68,10 +68,10 @@ class BucketStager:
     """Receives buckets from a data-plane group into reusable flat buffers and checks them against
     the tensors the receiver expects (names, dtypes, shapes, every one exactly once).
 
-    Three ways in, one way out::
+    Two ways in, one way out::
 
-        staged = stager.receive(request, served)    # a whole version (asyncsync's protocol)
-        staged = stager.adopt(request, served)      # a whole version in the trainer's shared memory
+        staged = stager.receive(request, served)    # a whole version (asyncsync's protocol; from the
+                                                     # trainer's shared memory when request.shm: adopt)
         # or, one bucket per call (SGLang's protocol):
         stager.receive_bucket(meta); ...; staged = stager.seal(version, served)
         apply(staged.tensors())                      # the receiver's business
@@ -87,9 +87,10 @@ class BucketStager:
         self.runtime = runtime or HostRuntime()
         # With ``arena``, one flat buffer of a whole version is allocated now, at start-up, and every
         # version is received into views of it (a receiver that copies a version out, like vLLM's,
-        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run.
+        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run,
+        # and written once, so that an engine sizing them from resident memory (vLLM on CPU) sees it.
         total = sum(spec.nbytes for spec in self.expected.values())
-        self.arena = torch.empty(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
+        self.arena = torch.zeros(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
@@ -129,7 +130,10 @@ class BucketStager:
 
     def receive(self, req: UpdateRequest, served_version: int) -> StagedVersion:
         """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
-        ``VersionRejected`` after the last broadcast if anything is wrong."""
+        ``VersionRejected`` after the last broadcast if anything is wrong. With ``req.shm`` the
+        version is mapped from the trainer's shared memory instead (``adopt``): no group is needed."""
+        if req.shm is not None:
+            return self.adopt(req, served_version)
         group = self._require_group()
         self.discard()
         if req.sources and max(req.sources) >= len(self.groups):
@@ -298,10 +302,11 @@ class BucketStager:
         self._live_segment = staged.segment
         self._live = next((s for s in self._sets if s.buffers is staged.buffers), None)
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""
         groups, self.groups = self.groups, []
         for group in groups:
-            group.close()
+            group.close(broken)
 
 
 def _reject_if(problems: list[str], version: int | None) -> None:

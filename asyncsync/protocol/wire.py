@@ -124,6 +124,9 @@ class BucketMeta:
         return Bucket(index, tuple(specs), tuple(offsets), offset)
 
 
+RECEIVE_MODES = ("background", "in_rpc")
+
+
 @dataclass(frozen=True)
 class SharedVersion:
     """Where a same-host receiver finds a version instead of the data plane (``protocol/shm.py``):
@@ -166,13 +169,20 @@ class UpdateRequest:
 
     ``deadlines_s`` (optional, one per bucket) is how long each bucket's broadcast may take: the
     trainer derives it from the measured rate (``transport.pace``), and a receiver that waits longer
-    for a bucket gives up then instead of at the group's own timeout (the manifest gets the largest)."""
+    for a bucket gives up then instead of at the group's own timeout (the manifest gets the largest).
+
+    ``receive`` says where a receiver that can do either receives the version (asyncsync's vLLM
+    engine): ``in_rpc`` inside the call that carries this request, which is answered once the version
+    is received, verified and applied (the default, and what every other receiver does);
+    ``background`` on a worker thread, answering at once: the version is verified there and applied,
+    or refused, by the call that ends the update."""
 
     version: int
     buckets: tuple[BucketMeta, ...]
     checksum: bool
     deadlines_s: tuple[float, ...] = ()
     sources: tuple[int, ...] = ()  # per bucket, the group it arrives on (InitGroupRequest.groups); () = all group 0
+    receive: str = "in_rpc"
     shm: SharedVersion | None = None  # same-host receivers: the version is in shared memory, not on the data plane
 
     def __post_init__(self) -> None:
@@ -186,12 +196,14 @@ class UpdateRequest:
             raise WireError(f"update.sources: {len(self.sources)} source(s) for {len(self.buckets)} bucket(s)")
         if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.sources):
             raise WireError(f"update.sources: expected group indexes >= 0, got {list(self.sources)}")
+        if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
+            raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
+        if self.receive not in RECEIVE_MODES:
+            raise WireError(f"update.receive: expected one of {list(RECEIVE_MODES)}, got {self.receive!r}")
 
     def source(self, index: int) -> int:
         """The group bucket ``index`` arrives on (the manifest: group 0)."""
         return self.sources[index] if self.sources and index < len(self.sources) else 0
-        if any(not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0 for d in self.deadlines_s):
-            raise WireError(f"update.deadlines_s: expected positive seconds, got {list(self.deadlines_s)}")
 
     def deadline_s(self, index: int) -> float | None:
         """Bucket ``index``'s deadline (``len(buckets)``: the manifest's), or None for the group's own."""
@@ -205,6 +217,8 @@ class UpdateRequest:
             out["deadlines_s"] = list(self.deadlines_s)
         if self.sources:
             out["sources"] = list(self.sources)
+        if self.receive != "in_rpc":
+            out["receive"] = self.receive
         if self.shm is not None:
             out["shm"] = self.shm.to_json()
         return out
@@ -218,9 +232,30 @@ class UpdateRequest:
         checksum = _field(data, "checksum", bool, "update")
         deadlines = _field(data, "deadlines_s", list, "update") if "deadlines_s" in data else []
         sources = _field(data, "sources", list, "update") if "sources" in data else []
+        receive = _field(data, "receive", str, "update") if "receive" in data else "in_rpc"
         buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
         shm = SharedVersion.from_json(_field(data, "shm", dict, "update")) if "shm" in data else None
-        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), shm)
+        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive, shm)
+
+
+@dataclass(frozen=True)
+class DiscardRequest:
+    """Drop what a receiver holds of ``version`` without applying it: a version being received, or
+    received, in the background (``UpdateRequest.receive``) that the trainer abandoned. The receiver
+    stops a receive still in progress by leaving the group (the trainer forms a new one). Carried
+    where an ``UpdateRequest`` would be (vLLM's ``update_info``)."""
+
+    version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"discard": self.version}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DiscardRequest:
+        version = _field(data, "discard", int, "discard")
+        if version < 0:
+            raise WireError(f"discard: must be >= 0, got {version}")
+        return cls(version)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class SyncResult:
     total_s: float = 0.0
     server_versions: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # servers that did not apply it, and why
+    switch_s: dict[str, float] = field(default_factory=dict)  # how long each server held generation to switch
     started: float = 0.0   # time.perf_counter() when the snapshot (async) or the pack (blocking) began
     send_started: float = 0.0
     finished: float = 0.0
@@ -56,6 +57,10 @@ class SyncMetrics:
         self.failed = 0
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
         self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
+        self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
+        # Bytes each server holds beside its live weights to receive versions (vLLM: a staging arena
+        # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
+        self.receiver_staging_bytes: dict[str, int] = {}
         self.last: SyncResult | None = None
         self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
         self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
@@ -69,6 +74,11 @@ class SyncMetrics:
         self._p_events = Counter("asyncsync_server_events", "Evictions, rejoins and refused versions", ["kind"], registry=r)
         self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
         self._p_buffers = Gauge("asyncsync_buffer_bytes", "Bytes of the sync's own buffers on the weights' device", registry=r)
+        self._p_host = Gauge("asyncsync_host_buffer_bytes", "Bytes of the sync's own buffers in host memory", registry=r)
+        self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
+                                ["server"], registry=r)
+        self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
+                               ["server"], registry=r)
 
     def count(self, outcome: str, n: int = 1) -> None:
         """``outcome`` is one of published, sent, superseded, failed."""
@@ -86,10 +96,17 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int) -> None:
+    def allocated(self, nbytes: int, host_nbytes: int = 0) -> None:
         with self._lock:
-            self.buffer_bytes = nbytes
+            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
         self._p_buffers.set(nbytes)
+        self._p_host.set(host_nbytes)
+
+    def staging(self, per_server: dict[str, int]) -> None:
+        with self._lock:
+            self.receiver_staging_bytes = dict(per_server)
+        for server, nbytes in per_server.items():
+            self._p_staging.labels(server).set(nbytes)
 
     def record(self, result: SyncResult) -> None:
         with self._lock:
@@ -101,6 +118,8 @@ class SyncMetrics:
         self._p_gbps.set(result.gbps)
         for server, version in result.server_versions.items():
             self._p_server.labels(server).set(version)
+        for server, seconds in result.switch_s.items():
+            self._p_switch.labels(server).set(seconds)
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -109,7 +128,9 @@ class SyncMetrics:
                 last["gbps"] = self.last.gbps
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
-                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes, "last": last,
+                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
+                "host_buffer_bytes": self.host_buffer_bytes,
+                "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "events": [asdict(e) for e in self.events],
             }
 

@@ -8,11 +8,11 @@ another thread would interleave with them), and each is used by one thread only,
 collectives pair up in the same order on every rank:
 
     boundary   the snapshotter threads agree, version by version, whether it is taken
-    send       the sender threads: rank 0's plan of each version, the gathers of each bucket's
-               contributions to its owner, the checksums for the manifest, each rank's outcome
+    send       the sender threads: rank 0's plan of each version, each bucket's pieces sent to its
+               owner (point to point, exact sizes), the checksums for the manifest, each rank's outcome
 
-Every collective has the group's deadline (``deadlines.collective_s``): a rank that left (its process
-died) makes the others fail with ``TrainerRankLost`` by then, never hang.
+Every collective has the groups' deadline (``TrainerRanks.of``): a rank that left (its process
+died) makes the others fail with ``TrainerRankLost``, never hang.
 """
 
 from __future__ import annotations
@@ -38,15 +38,20 @@ class TrainerRanks:
         self.rank, self.world, self._boundary, self._send = rank, world, boundary, send
 
     @classmethod
-    def of(cls, trainer_ranks: str | int, timeout_s: float) -> TrainerRanks:
+    def of(cls, trainer_ranks: str | int, deadlines: Any) -> TrainerRanks:
         """``trainer_ranks: auto``: every rank of torch.distributed's default group when it is
         initialized with more than one process (call this on every rank, in the same order as other
-        group creations); otherwise, or with ``1``, this process alone."""
+        group creations); otherwise, or with ``1``, this process alone.
+
+        The groups' deadline covers the longest a rank may wait for another that is still working:
+        rank 0 forming an epoch with the servers (``rendezvous_s``), a broadcast (``collective_s``),
+        and the HTTP phases of a version (``http_s`` each). A rank whose process exits is noticed at
+        once (its sockets close); only a hung one takes the whole deadline."""
         import torch.distributed as dist
 
         if trainer_ranks == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
-        timeout = timedelta(seconds=timeout_s)
+        timeout = timedelta(seconds=deadlines.rendezvous_s + deadlines.collective_s + 4 * deadlines.http_s)
         boundary = dist.new_group(backend="gloo", timeout=timeout)
         send = dist.new_group(backend="gloo", timeout=timeout)
         ranks = cls(dist.get_rank(), dist.get_world_size(), boundary, send)
@@ -89,17 +94,23 @@ class TrainerRanks:
         self._call("receiving rank 0's plan", lambda: dist.broadcast_object_list(box, group=self._send, group_src=0))
         return box[0]
 
-    def gather(self, tensor: torch.Tensor, dst: int, outs: list[torch.Tensor] | None = None) -> None:
-        """Every rank's ``tensor`` (all the same size) into ``outs`` (one per rank) at ``dst``: a
-        bucket's contributions to its owner. The other ranks pass no ``outs``."""
-        if self.world == 1:
-            if outs is not None and outs[0].data_ptr() != tensor.data_ptr():
-                outs[0].copy_(tensor)
-            return
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """``tensor`` to rank ``dst``, which ``receive``s it: this rank's pieces of a bucket to its owner.
+        Returns once the bytes are handed over, so the buffer may then be rewritten."""
         import torch.distributed as dist
 
-        self._call("gathering a bucket", lambda: dist.gather(tensor, outs if self.rank == dst else None,
-                                                             group=self._send, group_dst=dst))
+        self._call("sending a bucket's pieces", lambda: dist.send(tensor, group=self._send, group_dst=dst))
+
+    def receive(self, parts: dict[int, torch.Tensor]) -> None:
+        """Each other rank's ``send`` into ``parts[rank]`` (sized exactly), all posted at once."""
+        import torch.distributed as dist
+
+        def run() -> None:
+            works = [dist.irecv(t, group=self._send, group_src=r) for r, t in parts.items()]
+            for w in works:
+                w.wait()
+
+        self._call("receiving a bucket's pieces", run)
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` at rank 0 (each rank's checksums, its outcome)."""

@@ -6,26 +6,28 @@ computed from metadata (global shape and dtype, mesh, placements), with no commu
 way on every rank::
 
     layout = ShardLayout.of(plan, named, world, owners)  # owners: the rank that sends each bucket
-    # every rank: its contribution to bucket b is its slices of b's tensors, packed in plan order,
-    #             padded to the largest rank's contribution (a gather moves equal sizes)
+    # every rank but the owner: its pieces of bucket b, packed in plan order, sent to b's owner
     pack_contribution(layout.buckets[b], rank, named, out)      # from the live shards or a snapshot
-    # the owner, after gathering every rank's contribution:
+    # the owner, having received the others' pieces (its own are read where they are):
     assemble(layout.buckets[b], contributions, bucket_buffer)   # each slice into its place
 
 Only the rank whose mesh coordinate is 0 along every ``Replicate`` dim sends a replicated slice,
-and a plain tensor is taken from the owner's own copy, so no byte crosses the trainer twice.
+and a plain tensor is taken from the owner's own copy, so no byte crosses the trainer twice and a
+bucket's contributions add up to exactly its bytes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view
+from asyncsync.trainer.source import check_layout, local_part
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketShards:
-    """For one bucket: its owner, every rank's pieces, and the (padded) size of a contribution."""
+    """For one bucket: its owner, and every rank's pieces (in plan order, packed back to back)."""
 
     bucket: Bucket
     owner: int
     pieces: tuple[tuple[Piece, ...], ...]  # per rank
-    size: int                              # bytes of each rank's contribution buffer (the largest)
 
     def contribution_bytes(self, rank: int) -> int:
         return sum(p.nbytes for p in self.pieces[rank])
+
+    def incoming_bytes(self) -> int:
+        """What the owner receives: every other rank's contribution."""
+        return sum(self.contribution_bytes(r) for r in range(len(self.pieces)) if r != self.owner)
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,8 @@ class ShardLayout:
                     nbytes = math.prod(shape) * spec.dtype.itemsize
                     per_rank[rank].append(Piece(i, shape, offset, sizes[rank], nbytes))
                     sizes[rank] += nbytes
-            out.append(BucketShards(bucket, owner, tuple(tuple(p) for p in per_rank), max(sizes)))
+            out.append(BucketShards(bucket, owner, tuple(tuple(p) for p in per_rank)))
         return cls(tuple(out), world)
-
-    def snapshot_bytes(self, rank: int) -> int:
-        """What a snapshot of this rank's contributions holds (padded, so it can be gathered in place)."""
-        return sum(b.size for b in self.buckets)
 
 
 def balanced_owners(plan: BucketPlan, world: int) -> list[int]:
@@ -115,26 +116,30 @@ def _slices(t: torch.Tensor, world: int, owner: int) -> list[tuple[int, tuple[in
     return out
 
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local data of a tensor of the view (a DTensor's local shard, or the tensor itself)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+def _readable(name: str, local: torch.Tensor) -> torch.Tensor:
+    """``local``, detached, or ``UnpackableTensor`` when its memory was freed or resized since the
+    version was checked (another thread): the copy would read memory that is not the tensor's."""
+    problem = memory_problem(local)
+    if problem is not None:
+        raise UnpackableTensor(f"tensor '{name}' {problem}")
+    return local.detach()
 
 
 def pack_contribution(shards: BucketShards, rank: int, named: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
-    """This rank's pieces of a bucket, in order, into ``out`` (at least ``shards.size`` bytes)."""
+    """This rank's pieces of a bucket, in order, into ``out`` (at least ``contribution_bytes(rank)`` bytes)."""
     specs = shards.bucket.specs
     with torch.no_grad():
         for piece in shards.pieces[rank]:
             if piece.nbytes:
                 spec = specs[piece.spec]
-                local = local_part(named[spec.name]).detach()
+                local = _readable(spec.name, local_part(named[spec.name]))
                 byte_view(out, piece.at, spec.dtype, piece.shape).copy_(local.reshape(piece.shape))
 
 
-def assemble(shards: BucketShards, contributions: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """The owner's step: every rank's pieces (``contributions[rank]``) into their places in the bucket."""
+def assemble(shards: BucketShards, parts: Mapping[int, torch.Tensor], out: torch.Tensor,
+             live: tuple[int, Mapping[str, torch.Tensor]] | None = None) -> None:
+    """The owner's step: every rank's pieces (``parts[rank]``, packed) into their places in the
+    bucket; with ``live`` = (rank, its view), that rank's pieces are read from its tensors instead."""
     bucket = shards.bucket
     with torch.no_grad():
         for rank, pieces in enumerate(shards.pieces):
@@ -144,75 +149,93 @@ def assemble(shards: BucketShards, contributions: Sequence[torch.Tensor], out: t
                 spec, at = bucket.specs[piece.spec], bucket.offsets[piece.spec]
                 whole = byte_view(out, at, spec.dtype, spec.shape)
                 region = whole[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))]
-                region.copy_(byte_view(contributions[rank], piece.at, spec.dtype, piece.shape))
+                if live is not None and live[0] == rank:
+                    region.copy_(_readable(spec.name, local_part(live[1][spec.name])).reshape(piece.shape))
+                else:
+                    region.copy_(byte_view(parts[rank], piece.at, spec.dtype, piece.shape))
 
 
 class ShardedBuffers:
-    """One rank's buffers for sending a sharded trainer's versions.
+    """One rank's buffers for sending a sharded trainer's versions (or, with a world of one, a
+    snapshot kept in host memory). Memory, on the weights' device, is the budget:
 
-    * contributions: this rank's pieces of the buckets. Async mode: a snapshot, one area per bucket,
-      packed once per version by the snapshotter (``pack_all``). Blocking mode: one area, packed from
-      the live shards just before each bucket's gather.
-    * staging: ``world`` contributions of the largest bucket this rank owns (the gather's output).
-    * slot: one bucket-sized buffer, where the owner assembles the bucket it sends next.
+    * ``snapshot`` (async mode): this rank's pieces of every bucket, packed once per version by the
+      snapshotter (``pack_all``): the size of its local shards, on the device (``"device"``) or in
+      host memory (``"host"``: pinned on CUDA; each piece goes up to the device just before it is
+      sent). None in blocking mode, where pieces are packed from the live shards as they are sent.
+    * ``scratch``: one buffer for whatever a bucket needs on the device besides the bucket itself:
+      as its owner, the pieces the other ranks send; otherwise this rank's pieces, when they are
+      packed from the live shards or come up from a host snapshot. Its uses never overlap: a send
+      returns once the bytes are handed over, and received pieces are assembled at once.
+    * ``slot``: the bucket this rank assembles and broadcasts, reused by the buckets it owns (a
+      bucket waits for the previous one's broadcast: ``reuses``).
 
-    So a rank holds one snapshot of its shards (async) and, as an owner, two buckets: never the
-    model. ``nbytes`` is what lives on the weights' device, ``host_nbytes`` a host snapshot's.
+    So a rank holds its own shards once (async) and two buckets at most on the device: never the
+    model. ``nbytes`` is what lives on the weights' device, ``host_nbytes`` a host snapshot.
     """
 
-    def __init__(self, layout: ShardLayout, rank: int, runtime: Any, checksum: bool, snapshot: str | None):
-        self.layout, self.rank, self.runtime, self.checksum = layout, rank, runtime, checksum
-        device = runtime.device
+    def __init__(self, plan: BucketPlan, layout: ShardLayout, ranks: Any, runtime: Any, checksum: bool,
+                 snapshot: str | None):
+        self.plan, self.layout, self.ranks, self.runtime, self.checksum = plan, layout, ranks, runtime, checksum
+        rank = self.rank = ranks.rank
+        device = self.device = runtime.device
         owned = [b for b in layout.buckets if b.owner == rank]
         self._areas: dict[int, tuple[int, int]] = {}
-        if snapshot is None:
-            size = max((b.size for b in layout.buckets), default=0)
-            self.contributions = torch.empty(size, dtype=torch.uint8, device=device)
-        else:
+        self.host_snapshot = snapshot == "host"
+        self.snapshot: torch.Tensor | None = None
+        if snapshot is not None:
             offset = 0
             for b in layout.buckets:
-                self._areas[b.bucket.index] = (offset, b.size)
-                offset += b.size
-            on_host = snapshot == "host"
-            self.contributions = torch.empty(offset, dtype=torch.uint8, device="cpu" if on_host else device,
-                                             pin_memory=on_host and runtime.kind == "cuda")
-        self.host_snapshot = snapshot == "host"
-        self._upload = (torch.empty(max((b.size for b in layout.buckets), default=0), dtype=torch.uint8, device=device)
-                        if self.host_snapshot and runtime.kind == "cuda" else None)
-        self.staging = torch.empty(layout.world * max((b.size for b in owned), default=0), dtype=torch.uint8, device=device)
+                size = b.contribution_bytes(rank)
+                self._areas[b.bucket.index] = (offset, size)
+                offset += size
+            self.snapshot = torch.empty(offset, dtype=torch.uint8, device="cpu" if self.host_snapshot else device,
+                                        pin_memory=self.host_snapshot and runtime.kind == "cuda")
+        staged = snapshot is None or (self.host_snapshot and runtime.kind != "cpu")  # own pieces need a device copy
+        need = [b.incoming_bytes() for b in owned]
+        need += [b.contribution_bytes(rank) for b in layout.buckets if b.owner != rank and staged]
+        self.scratch = torch.empty(max(need, default=0), dtype=torch.uint8, device=device)
         self.slot = torch.empty(max((b.bucket.nbytes for b in owned), default=0), dtype=torch.uint8, device=device)
-        self._last_owned: dict[int, int] = {}  # bucket -> the previous bucket this rank owns (they share the slot)
-        for before, after in zip(owned, owned[1:]):
-            self._last_owned[after.bucket.index] = before.bucket.index
+        self._last_owned = {after.bucket.index: before.bucket.index for before, after in zip(owned, owned[1:])}
 
     @property
     def nbytes(self) -> int:
-        device = self.slot.numel() + self.staging.numel() + (self._upload.numel() if self._upload is not None else 0)
-        return device + (0 if self.host_snapshot else self.contributions.numel())
+        """Bytes on the weights' device: the scratch, the slot and a device snapshot."""
+        device = self.scratch.numel() + self.slot.numel()
+        return device + (self.snapshot.numel() if self.snapshot is not None and not self.host_snapshot else 0)
 
     @property
     def host_nbytes(self) -> int:
-        return self.contributions.numel() if self.host_snapshot else 0
+        return self.snapshot.numel() if self.snapshot is not None and self.host_snapshot else 0
 
-    def _area(self, index: int) -> torch.Tensor:
-        if not self._areas:
-            return self.contributions[: self.layout.buckets[index].size]
+    def area(self, index: int) -> torch.Tensor:
+        """This rank's pieces of bucket ``index`` in the snapshot."""
+        assert self.snapshot is not None
         start, size = self._areas[index]
-        return self.contributions[start : start + size]
+        return self.snapshot[start : start + size]
 
     def pack_all(self, named: Mapping[str, torch.Tensor]) -> None:
-        """The snapshot: this rank's pieces of every bucket (the caller checked the layout)."""
+        """The snapshot: this rank's pieces of every bucket; raises ``LayoutChanged`` (or
+        ``UnpackableTensor``) before writing anything."""
+        check_layout(self.plan, named, self.device)
         for shards in self.layout.buckets:
-            pack_contribution(shards, self.rank, named, self._area(shards.bucket.index))
+            pack_contribution(shards, self.rank, named, self.area(shards.bucket.index))
 
-    def source(self, named: Mapping[str, torch.Tensor] | None = None) -> ShardedSource:
-        """A source for ``send_version``: from the snapshot, or (``named``) from the live shards."""
+    def packed(self) -> ShardedSource:
+        """A source for ``send_version`` over what ``pack_all`` wrote."""
+        return ShardedSource(self, None)
+
+    def packing(self, named: Mapping[str, torch.Tensor]) -> ShardedSource:
+        """A source that packs this rank's pieces from the live shards as each bucket is sent; raises
+        ``LayoutChanged`` (or ``UnpackableTensor``) now, before anything is sent."""
+        check_layout(self.plan, named, self.device)
         return ShardedSource(self, named)
 
 
 class ShardedSource:
-    """Per bucket: this rank's contribution (every rank), then, at the bucket's owner, the gathered
-    contributions assembled into the slot and sent from there (``transport.send`` drives it)."""
+    """A ``transport.send.BucketSource`` for a sharded trainer's rank: per bucket, ``owner``; a rank
+    that does not own it ``contribute``s its pieces; the owner's ``bucket`` receives the others'
+    pieces and assembles the whole bucket in the slot, which it then broadcasts."""
 
     def __init__(self, buffers: ShardedBuffers, named: Mapping[str, torch.Tensor] | None):
         self.buffers, self.named = buffers, named
@@ -221,36 +244,59 @@ class ShardedSource:
     def owner(self, bucket: Bucket) -> int:
         return self.buffers.layout.buckets[bucket.index].owner
 
-    def contribution(self, bucket: Bucket) -> torch.Tensor:
+    def _pieces(self, shards: BucketShards, out: torch.Tensor) -> torch.Tensor:
+        """This rank's pieces of a bucket, packed where a send can read them."""
         b = self.buffers
-        shards = b.layout.buckets[bucket.index]
-        area = b._area(bucket.index)
+        size = shards.contribution_bytes(b.rank)
         if self.named is not None:
-            pack_contribution(shards, b.rank, self.named, area)
-        if b._upload is not None:  # a host snapshot: up to the device just before the gather
-            return b._upload[: area.numel()].copy_(area, non_blocking=True)
+            pack_contribution(shards, b.rank, self.named, out[:size])
+            return out[:size]
+        area = b.area(shards.bucket.index)
+        if area.device != b.device:  # a host snapshot: up to the device just before it is sent
+            return out[:size].copy_(area, non_blocking=True)
         return area
 
-    def staging(self, bucket: Bucket) -> list[torch.Tensor]:
-        """The owner's gather outputs for ``bucket``: one contribution-sized view per rank."""
+    def contribute(self, bucket: Bucket) -> None:
+        """A rank that does not own ``bucket``: its pieces to the owner (nothing when it has none)."""
         b = self.buffers
-        size = b.layout.buckets[bucket.index].size
-        return [b.staging[r * size : (r + 1) * size] for r in range(b.layout.world)]
+        shards = b.layout.buckets[bucket.index]
+        size = shards.contribution_bytes(b.rank)
+        if not size:
+            return
+        try:
+            pieces = self._pieces(shards, b.scratch)
+        except UnpackableTensor:
+            b.ranks.send(b.scratch[:size], shards.owner)  # stale bytes keep the ranks paired; the version is abandoned
+            raise
+        b.ranks.send(pieces, shards.owner)
 
-    def assemble(self, bucket: Bucket, gathered: Sequence[torch.Tensor]) -> None:
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        """The owner: the bucket, assembled in the slot from its own pieces and the others'."""
         b = self.buffers
+        shards = b.layout.buckets[bucket.index]
+        parts: dict[int, torch.Tensor] = {}
+        at = 0
+        for rank in range(b.layout.world):
+            size = shards.contribution_bytes(rank)
+            if rank != b.rank and size:
+                parts[rank] = b.scratch[at : at + size]
+                at += size
+        if parts:
+            b.ranks.receive(parts)
         out = b.slot[: bucket.nbytes]
-        assemble(b.layout.buckets[bucket.index], gathered, out)
+        if self.named is not None:
+            assemble(shards, parts, out, live=(b.rank, self.named))
+        else:
+            parts[b.rank] = b.area(bucket.index)
+            assemble(shards, parts, out)
         if b.checksum:
             from asyncsync.protocol.checksum import bucket_crc
 
             self._crc[bucket.index] = bucket_crc(out)
+        return out
 
     def reuses(self, bucket: Bucket) -> int | None:
         return self.buffers._last_owned.get(bucket.index)
-
-    def bucket(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffers.slot[: bucket.nbytes]
 
     def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
         return self._crc.pop(bucket.index, None)

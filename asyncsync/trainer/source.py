@@ -16,12 +16,12 @@ What the trainer hands ``connect`` and ``publish`` is checked, so that bad input
 and never reaches a compiled pack:
 
 - ``all_tensors`` (``connect``, ``publish`` itself): a module or a mapping, else ``TypeError``;
-- ``check_tensors`` on every tensor of a version, once (about 2 us each): sharded tensors
-  (``check_not_sharded``, the one place issue 11 replaces with the sharded path), then anything a
-  pack could not read safely (``packing.checks.memory_problem``: tensor subclasses, meta tensors,
+- ``check_tensors`` on every tensor of a version, once (about 2 us each): sharded tensors in a
+  single-process sync (``check_not_sharded``; a sharded trainer's ranks check their local shards),
+  then anything a pack could not read safely (``packing.checks.memory_problem``: tensor subclasses, meta tensors,
   freed or shrunk storages). It runs at ``connect``, when ``WeightsReader`` walks a module (once per
-  module object and after any re-registration: ``fully_shard`` swapping in DTensors is refused at
-  ``publish``, which otherwise stays O(1) beyond its lookups), and where a version is read for
+  module object and after any re-registration: in a single-process sync, ``fully_shard`` swapping in
+  DTensors is refused at ``publish``, which otherwise stays O(1) beyond its lookups), and where a version is read for
   packing (``WeightsView.tensors``: the async snapshot, a blocking ``publish``), which is also where a
   mapping's tensors are checked, a mapping being usually a new object at each ``publish``;
 - ``check_layout`` (right before a version is packed): the plan's names, dtypes and shapes, and the
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,11 @@ class LayoutChanged(ValueError):
 
 
 class ShardedWeightsUnsupported(NotImplementedError):
-    """The weights hold a DTensor (FSDP2, tensor parallelism): asyncsync does not send sharded weights yet."""
+    """The weights hold a DTensor, but this ``WeightSync`` runs in one process: a sharded trainer's
+    weights are sent by all of its ranks together (``trainer_ranks: auto``)."""
+
+
+Convert = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
 def _dtensor_class() -> type | None:
@@ -62,32 +66,38 @@ def _dtensor_class() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def check_not_sharded(named: Mapping[str, object]) -> None:
-    """Refuse sharded weights, naming the first DTensor and what to do instead.
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a tensor of the view: a DTensor's local shard, or the tensor itself."""
+    dtensor = _dtensor_class()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
-    The one place sharded trainers are turned away: when sharded support lands (issue 11), this is
-    what gives way to the sharded path. Until then a DTensor holds only this rank's shard (its
-    ``data_ptr()`` is 0), and sending it would hand servers the wrong bytes or none."""
+
+def check_not_sharded(named: Mapping[str, object]) -> None:
+    """Refuse sharded weights in a single-process sync, naming the first DTensor and what to do.
+
+    A DTensor holds only this rank's shard (its ``data_ptr()`` is 0): one process alone cannot send
+    it. Every rank of the trainer can, together (``trainer.shards``)."""
     dtensor = _dtensor_class()
     if dtensor is None:
         return
     for name, t in named.items():
         if isinstance(t, dtensor):
             raise ShardedWeightsUnsupported(
-                f"'{name}' is a DTensor (sharded over {t.device_mesh} as {list(t.placements)}): asyncsync does not "
-                "send sharded weights yet. Gather them and sync from one rank: e.g. a full state dict "
-                "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True, cpu_offload=True)) on every rank) passed as a mapping to connect() and "
-                "publish() on rank 0 only; or wait for sharded-trainer support")
+                f"'{name}' is a DTensor (sharded over {t.device_mesh} as {list(t.placements)}), but this WeightSync runs "
+                "in one process, which holds only its own shards. Sync from every rank of the trainer together: "
+                "initialize torch.distributed on every rank, keep weight_sync.trainer_ranks: auto (the default), and "
+                "call connect(), publish(), wait_snapshot() and close() on every rank, as a collective")
 
 
-def check_tensors(named: Mapping[str, object]) -> None:
-    """Every tensor of a version: ``ShardedWeightsUnsupported`` for a DTensor, ``UnpackableTensor``
-    naming anything else a pack could not read safely. Before ties are looked for: they compare data
-    pointers, which such tensors do not have."""
-    check_not_sharded(named)
+def check_tensors(named: Mapping[str, object], sharded: bool = False) -> None:
+    """Every tensor of a version: ``ShardedWeightsUnsupported`` for a DTensor (unless ``sharded``: a
+    sharded trainer's, whose local shards are checked), ``UnpackableTensor`` naming anything else a
+    pack could not read safely. Before ties are looked for: they compare data pointers, which such
+    tensors do not have."""
+    if not sharded:
+        check_not_sharded(named)
     for name, t in named.items():
-        check_tensor(name, t)
+        check_tensor(name, local_part(t) if sharded and isinstance(t, torch.Tensor) else t)
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -165,7 +175,7 @@ class TiedNames:
     @classmethod
     def decide(cls, weights: Weights, expected: Collection[str] | None) -> TiedNames:
         named = all_tensors(weights)
-        aliases = storage_aliases(named)
+        aliases = storage_aliases({name: local_part(t) for name, t in named.items()})  # a DTensor by its shard
         if isinstance(weights, torch.nn.Module):
             for alias, target in declared_ties(weights).items():
                 target = aliases.get(target, target)  # the name that is sent
@@ -197,10 +207,16 @@ class WeightsReader:
     registration hooks report any submodule, parameter or buffer (re)registered on a module of the
     tree, including a parameter replaced by attribute assignment. A mapping is read as a shallow
     copy; its ties are left out by ``WeightsView.tensors`` on whichever thread packs it.
+
+    With ``convert`` (a user function from the trainer's names and layouts to the servers': fused
+    qkv to q/k/v, stacked experts, torch.compile's ``_orig_mod.`` prefix), every ``read`` runs it on
+    every tensor, here, on the trainer's thread: whatever it builds is rebuilt for every version and
+    nothing of it is cached (a stale conversion cache once served old weights); only the plan is.
+    ``sharded``: a sharded trainer's rank, whose DTensors are checked by their local shards.
     """
 
-    def __init__(self, ties: TiedNames = TiedNames()) -> None:
-        self.ties = ties
+    def __init__(self, ties: TiedNames = TiedNames(), sharded: bool = False, convert: Convert | None = None) -> None:
+        self.ties, self.sharded, self.convert = ties, sharded, convert
         self._module: torch.nn.Module | None = None
         self._index: list[tuple[str, dict[str, Any], str]] = []  # (name, module._parameters/_buffers, key)
         self._members: set[int] = set()
@@ -214,11 +230,13 @@ class WeightsReader:
     def read(self, weights: Weights) -> WeightsView:
         """The view of ``weights``; raises what ``all_tensors`` raises, and what ``check_tensors``
         raises for a module being walked."""
+        if self.convert is not None:
+            return WeightsView(converted(weights, self.convert), self.ties, self.sharded)
         if not isinstance(weights, torch.nn.Module):
-            return WeightsView(all_tensors(weights), self.ties)
+            return WeightsView(all_tensors(weights), self.ties, self.sharded)
         if weights is not self._module or self._stale:
             self._walk(weights)
-        return WeightsView({name: table[key] for name, table, key in self._index})
+        return WeightsView({name: table[key] for name, table, key in self._index}, None, self.sharded)
 
     def _walk(self, module: torch.nn.Module) -> None:
         if not self._hooks:
@@ -226,7 +244,7 @@ class WeightsReader:
                 nn_module.register_module_parameter_registration_hook, nn_module.register_module_buffer_registration_hook,
                 nn_module.register_module_module_registration_hook)]
         named = module_tensors(module)
-        check_tensors(named)
+        check_tensors(named, self.sharded)
         kept = self.ties.drop(named)
         index, members = [], set()
         for prefix, m in module.named_modules(remove_duplicate=False):
@@ -250,17 +268,27 @@ class WeightsView:
     """The tensors of one version as read at ``publish``; ``tensors()`` gives the name -> tensor map
     sent, every tensor checked (``check_tensors``) the first time, on the thread that packs it."""
 
-    def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None):
+    def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None, sharded: bool = False):
         self._named, self._ties = named, ties  # ties: still to be left out of ``named`` (a mapping's)
-        self._checked = False
+        self._sharded, self._checked = sharded, False
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if not self._checked:
-            check_tensors(self._named)
+            check_tensors(self._named, self._sharded)
             self._checked = True
         if self._ties is not None:
             self._named, self._ties = self._ties.drop(self._named), None
         return self._named
+
+
+def converted(weights: Weights, convert: Convert) -> dict[str, torch.Tensor]:
+    """``convert`` applied to every tensor of ``weights``; a ``TypeError`` names a result that is not
+    a mapping of tensors."""
+    out = convert(all_tensors(weights))
+    if not isinstance(out, Mapping):
+        raise TypeError(f"the conversion function returned a {type(out).__name__}; it must return a mapping of "
+                        "name -> tensor (the names and layouts the servers load)")
+    return dict(out)
 
 
 def named_tensors(weights: Weights) -> dict[str, torch.Tensor]:

@@ -5,6 +5,11 @@ once every server applied it (the baseline); with ``true`` a ``SyncWorker`` does
 background and ``publish`` returns at once. Both modes run the same pipeline: the same pack path
 (``PackedBuffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
 differ in where the bytes are packed from (the live weights into a ring of a few buckets, or a snapshot).
+
+A sharded trainer (FSDP2, DTensors on a DeviceMesh) calls every method on every rank, like a
+collective (``trainer_ranks: auto``). Rank 0 talks to the servers and plans; every rank sends the
+buckets it owns (``trainer.shards``: the owner gathers that bucket's pieces from the other ranks),
+so no rank holds the whole model; with ``funnel: true`` rank 0 owns every bucket, for comparison.
 """
 
 from __future__ import annotations
@@ -15,18 +20,22 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncsync.config import WeightSyncConfig
+from asyncsync.config import ConfigError, WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
+from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
-from asyncsync.protocol.device import Runtime, runtime_for
-from asyncsync.trainer.source import TiedNames, Weights, WeightsReader, all_tensors, check_tensors, weights_device
+from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
+from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, balanced_owners
+from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
+                                      weights_device)
 from asyncsync.trainer.streams import StreamSet
-from asyncsync.trainer.worker import SyncWorker
+from asyncsync.trainer.worker import Sender, SyncWorker
 from asyncsync.transport.control import ControlLoop
+from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import BucketSource, send_version
+from asyncsync.transport.send import BucketSource, follow_version, send_version
 from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
@@ -41,7 +50,8 @@ class WeightSync:
     after; ``close`` drains. A server's failure never raises out of these calls: it is reported in
     the ``SyncResult`` (blocking), ``events`` and the metrics. What raises is a mistake of the caller:
     publishing before ``connect``, a version that is not newer, weights that are not a module or a
-    mapping of tensors, sharded weights (``ShardedWeightsUnsupported``), and, where the version is
+    mapping of tensors, sharded weights in a single process (``ShardedWeightsUnsupported``), another
+    trainer rank gone (``TrainerRankLost``: close the sync), and, where the version is
     read (``connect``, a blocking ``publish``; async mode records it in ``errors``), a tensor that
     cannot be packed (``UnpackableTensor``) or a layout that changed since ``connect`` (``LayoutChanged``).
     Every such error names the tensor and says what to do; none reaches a compiled pack."""
@@ -56,10 +66,14 @@ class WeightSync:
         self._members: list[Membership] = []  # one for all servers, or one per server (group_per_server)
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
-        self._ring: PackedBuffers | None = None
+        self._ring: PackedBuffers | ShardedBuffers | None = None
         self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
         self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
         self._reader = WeightsReader()
+        self.ranks = TrainerRanks()  # this process's place among a sharded trainer's ranks (a world of one)
+        self._follower: Follower | None = None  # ranks other than 0 follow rank 0's plans
+        self._lost: str | None = None  # why another trainer rank is gone (blocking mode)
+        self._connected = False  # from the plan agreed in connect() to close()
         self.runtime: Runtime | None = None
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
@@ -91,49 +105,139 @@ class WeightSync:
             return self._worker.nbytes + shared
         return (self._ring.nbytes if self._ring is not None else 0) + shared
 
-    def connect(self, model: Weights) -> None:
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of the sync's own buffers in host memory (a snapshot with ``snapshot: host``)."""
+        return self._worker.host_nbytes if self._worker is not None else 0
+
+    def connect(self, model: Weights, convert: Convert | None = None) -> None:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
         which names are sent (a tied weight once, unless a server expects it twice: ``TiedNames``),
         plan the buckets and allocate the buffers; in async mode start the worker. On failure nothing
         is left open. Pass the module, not a copy of its state dict, so that its ties are known: later
-        versions may then be published either way."""
+        versions may then be published either way.
+
+        ``convert``, when given, maps the trainer's (name, tensor) view to the names and layouts the
+        servers load (fused qkv to q/k/v, ``_orig_mod.`` prefixes): it runs at connect and at every
+        publish, on the caller's thread, and nothing it builds is kept (docs/sharded.md).
+
+        A sharded trainer calls this on every rank (``trainer_ranks: auto``): the sync's own gloo
+        groups among the ranks are created here, then rank 0 connects the servers and sends every
+        rank the plan and each bucket's owner."""
         cfg = self.config
-        every = all_tensors(model)
-        check_tensors(every)  # no server hears of weights that cannot be sent
-        self.runtime = runtime = runtime_for(weights_device(every))
-        device = runtime.device
+        self.ranks = ranks = TrainerRanks.of(cfg.trainer_ranks, cfg.deadlines)
+        sharded = ranks.world > 1
         try:
-            self._packer = get_backend(cfg.pack_backend, device)  # before any group: a bad backend fails first
-            self._control = ControlLoop()
-            groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
-            for group_cfg in groups:
-                self._members.append(Membership.connect(group_cfg, self._control, self.metrics, runtime, self.session))
-            told = [names for m in self._members for names in m.expected_names()]
-            self._reader.close()
-            self._reader = WeightsReader(TiedNames.decide(model, frozenset().union(*told) if told else None))
-            named = self._reader.read(model).tensors()
-            single_dtype = any(m.single_dtype_buckets for m in self._members)
-            self.plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
-
-            self._pool = shared_pool(self._members, self.plan)  # same-host servers: shared memory
-
-            def buffers(slots: int | None = None) -> PackedBuffers:
-                assert self.plan is not None and self._packer is not None
-                pool = self._pool if slots is None else None
-                return PackedBuffers(self.plan, device, self._packer, cfg.checksum, slots, pool)
-
-            if self._pool is not None and not self.is_async:
-                self._shared = buffers()  # blocking mode: every version packed into a leased segment
-            if self.is_async:
-                self._worker = SyncWorker(self._members, self.plan, buffers, StreamSet(runtime), self.metrics)
+            if sharded and cfg.group_per_server:
+                raise ConfigError("group_per_server: a sharded trainer's ranks send every version together; set it "
+                                  "to false (or sync from a single process)")
+            every = converted(model, convert) if convert is not None else all_tensors(model)
+            check_tensors(every, sharded)  # no server hears of weights that cannot be sent
+            self.runtime = runtime = runtime_for(weights_device(every))
+            self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
+            if ranks.leader:
+                plan, owners, ties = self._connect_servers(model, every, convert)
+                ranks.from_leader(("ready", (plan, owners, ties)))
             else:
-                self._ring = buffers(slots=RING_SLOTS)
-        except BaseException:
+                self._follower = Follower(ranks, runtime)
+                (_, (plan, owners, ties)) = self._follower.until("ready")
+            self.plan, self._connected = plan, True
+            self._reader.close()
+            self._reader = WeightsReader(ties, sharded, convert)
+            named = self._reader.read(model).tensors()
+            self._allocate(plan, named, owners)
+        except BaseException as e:
+            if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
+                self._tell_followers(("failed", f"{type(e).__name__}: {e}"))
+            self._connected = False
             self.close()
             raise
-        self.metrics.allocated(self.buffer_bytes)
-        log.info("connected: %s mode, pack backend %s, %d bucket(s), %.1f MB of sync buffers",
-                 "async" if self.is_async else "blocking", self._packer.name, len(self.plan.buckets), self.buffer_bytes / 1e6)
+        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes)
+        staging = {e.url: e.staging_bytes(plan.total_bytes, m.server_ranks[e.url])  # rank 0's members
+                   for m in self._members for e in m.engines if e.url in m.server_ranks}
+        self.metrics.staging({u: n for u, n in staging.items() if n is not None})
+        log.info("connected: %s mode, rank %d of %d, pack backend %s, %d bucket(s), %.1f MB of sync buffers on the "
+                 "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
+                 ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
+
+    def _connect_servers(self, model: Weights, every: dict[str, Any],
+                         convert: Convert | None) -> tuple[BucketPlan, list[int], TiedNames]:
+        """Rank 0 (or the single process): the data-plane groups, the names sent, the plan and owners."""
+        cfg, ranks = self.config, self.ranks
+        self._control = ControlLoop()
+        groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
+        spread = ranks.world > 1 and not cfg.funnel
+        for group_cfg in groups:
+            self._members.append(Membership.connect(group_cfg, self._control, self.metrics, self.runtime, self.session,
+                                                    ranks, spread))
+        told = [names for m in self._members for names in m.expected_names()]
+        ties = TiedNames.decide(every if convert is not None else model, frozenset().union(*told) if told else None)
+        named = WeightsReader(ties, ranks.world > 1, convert).read(model).tensors()
+        single_dtype = any(m.single_dtype_buckets for m in self._members)
+        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
+        sources = self._members[0].sources
+        owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
+        return plan, owners, ties
+
+    def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
+                 pool: SegmentPool | None = None) -> tuple[Any, Any]:
+        """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
+        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)."""
+        cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
+        assert runtime is not None and packer is not None
+        if ranks.world > 1 or (snapshot == "host" and pool is None):
+            layout = ShardLayout.of(plan, named, ranks.world, owners)
+            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None),
+                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot))
+        return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
+                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool))
+
+    def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int]) -> None:
+        """The buffers of this rank (a ring blocking, a snapshot async) and, async, the worker."""
+        self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
+        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool)
+        if not self.is_async:
+            self._ring = ring()
+            self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
+            return
+        if self.ranks.leader:
+            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
+            served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
+        else:
+            senders = [lambda v, src, res: self._follow(v, src) or res]
+            served = lambda needed: min(self.server_versions.values(), default=needed)  # noqa: E731
+        assert self.runtime is not None
+        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served)
+
+    def memory(self, model: Weights) -> dict[str, dict[str, int]]:
+        """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
+        async with the snapshot on the device, async with it in host memory), on the weights' device
+        and in host memory, as ``connect`` would allocate them (tied weights once), without any server.
+        The buffers are allocated to be measured, then released (``asyncsync doctor`` prints this)."""
+        cfg = self.config
+        named = WeightsReader(TiedNames.decide(model, None)).read(model).tensors()
+        self.runtime = runtime_for(weights_device(named))
+        self._packer = get_backend(cfg.pack_backend, self.runtime.device)
+        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes)
+        owners = [0] * len(plan.buckets)
+        out = {}
+        for mode, snapshot in (("blocking", None), ("async_device", "device"), ("async_host", "host")):
+            ring, snap = self._buffers(plan, named, owners, snapshot or "device")
+            buffers = ring() if snapshot is None else snap()
+            out[mode] = {"device": buffers.nbytes, "host": getattr(buffers, "host_nbytes", 0)}
+            del buffers
+        return out
+
+    def _follow(self, version: int, source: Any) -> SyncResult | None:
+        assert self._follower is not None and self.plan is not None
+        return follow_version(self._follower, self.plan, source, self.config.checksum)
+
+    def _tell_followers(self, command: tuple[Any, ...]) -> None:
+        """Rank 0: a last word to the other ranks (connect failed, close); a lost rank is only logged."""
+        try:
+            self.ranks.from_leader(command)
+        except TrainerRankLost as e:
+            log.warning("%s", e)
 
     # -- the step boundary ----------------------------------------------------------------------
 
@@ -149,40 +253,57 @@ class WeightSync:
         Async mode: O(1), returns None; the sync happens in the background. Blocking mode: returns
         the ``SyncResult`` once every server applied ``version`` or failed to; ``result.failures`` and
         ``events`` say which server missed it and why."""
-        if not self._members:
+        if not self._connected:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
         if self._worker is not None:
             self._worker.publish(self._reader.read(model), version)  # the view is read here, on the trainer's thread
             return None
+        if self._lost is not None:
+            raise TrainerRankLost(self._lost)
         if version <= self._last_version:
             raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
         assert self._ring is not None and self.plan is not None
-        members = self._members[0]  # blocking mode has one membership
-        members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
         named = self._reader.read(model).tensors()
         result = SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
-        packed_s = 0.0
-        if self._shared is not None and members.shared:
-            result.started = t0 = time.perf_counter()
-            self._shared.pack_all(named)  # the whole version, before the servers are told; raises before anything is sent
-            packed_s = time.perf_counter() - t0
-            source: BucketSource = self._shared.packed()
-        else:
-            source = self._ring.packing(named)  # raises before anything is sent
+        source, packed_s = self._blocking_source(named, result)  # raises before anything is sent
         self._last_version = version
         self.metrics.count("published")
-        result = send_version(members, version, self.plan, source, result)
+        try:
+            if self.ranks.leader:
+                result = send_version(self._members[0], version, self.plan, source, result)  # blocking mode has one membership
+            else:
+                result = self._follow(version, source) or result
+        except TrainerRankLost as e:
+            self._lost = str(e)
+            raise
         result.pack_s += packed_s
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
 
+    def _blocking_source(self, named: dict[str, Any], result: SyncResult) -> tuple[BucketSource, float]:
+        """Blocking mode's buckets and the seconds packed ahead: with a server on shared memory, the
+        whole version packed into a leased segment before any server is told (they map it); else a
+        ring, each bucket packed from the live weights just before its broadcast."""
+        assert self._ring is not None
+        members = self._members[0] if self._members else None  # rank 0's (a sharded trainer has no pool)
+        if self._shared is not None and members is not None:
+            members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
+            if members.shared:
+                result.started = t0 = time.perf_counter()
+                self._shared.pack_all(named)
+                return self._shared.packed(), time.perf_counter() - t0
+        return self._ring.packing(named), 0.0
+
     # -- versions and staleness -----------------------------------------------------------------
 
     @property
     def server_versions(self) -> dict[str, int]:
-        """The version each server serves, as last reported by the server (kept after close())."""
+        """The version each server serves, as last reported by the server (kept after close()); on a
+        sharded trainer's other ranks, as rank 0 last told them."""
         versions = dict(self._versions_at_close)
+        if self._follower is not None and self.metrics.last is not None:
+            versions.update(self.metrics.last.server_versions)
         for m in self._members:
             versions.update(m.server_versions)
         return versions
@@ -224,12 +345,19 @@ class WeightSync:
 
     def close(self) -> None:
         """Drain (async: the last published version reaches every server), then release everything."""
+        lost = self._lost
         if self._worker is not None:
             self._worker.close()
             self._errors_at_close = self._worker.errors
+            lost = lost or self._worker.lost
             self._worker = None
+        if self._connected and self.ranks.world > 1 and lost is None:  # connected: the ranks part together
+            if self.ranks.leader:
+                self._tell_followers(("stop",))
+            else:
+                self._await_stop()
+        self._versions_at_close.update(self.server_versions)
         for m in self._members:
-            self._versions_at_close.update(m.server_versions)
             m.close()
         self._members = []
         if self._control is not None:
@@ -240,6 +368,20 @@ class WeightSync:
             self._pool.close()
             self._pool = None
         self._reader.close()
+        if self._follower is not None:
+            self._follower.drop_group()
+            self._follower = None
+        self.ranks.close()
+        self._connected = False
+
+    def _await_stop(self) -> None:
+        assert self._follower is not None
+        try:
+            self._follower.until()
+        except Stopped:
+            pass
+        except TrainerRankLost as e:
+            log.warning("%s", e)
 
     def __enter__(self) -> WeightSync:
         return self

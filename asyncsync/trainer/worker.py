@@ -1,23 +1,32 @@
 """The background sync worker: the trainer pays for a snapshot copy, never for the network.
 
-Lifecycle, as the trainer's loop drives it::
+Lifecycle, as the trainer's loop drives it (on every rank of a sharded trainer, like a collective)::
 
-    worker = SyncWorker(memberships, plan, new_snapshot_buffers, streams, metrics)
+    worker = SyncWorker(senders, plan, new_snapshot_buffers, streams, metrics, ranks, served)
     worker.wait_snapshot()          # before the parameters change: the last published version is copied
     worker.publish(view, version)   # O(1): a marker, a latest-wins slot, a wake-up (view: WeightsReader.read)
-    worker.close()                  # drain: the last version reaches every server
+    worker.close()                  # drain: the last version taken reaches every server
 
 Threads, one job each:
-  * the snapshotter takes the latest published version and packs it (checksum fused) into a
-    version-sized ``Snapshot`` that no sender is using, then offers it to every sender;
-  * one sender per ``Membership`` (one for all servers, or one per server with ``group_per_server``)
-    takes the newest snapshot offered to it and runs ``send_version`` from its buffers.
-So the snapshot of version v is taken while v-1 is still on the wire, and the trainer never waits
-for the wire. With a sender per server, a slow server only makes *its* versions supersede. A version
-overtaken before it is snapshotted, or before any sender took it, is superseded: counted, never sent.
-There are (senders + 2) snapshots, so one is always free: one per sender in flight, the newest
-offered one, and the one being written. On a device, a snapshot is rewritten only after the
-``sent`` markers of the senders that read it (trainer/streams.py has the streams and markers).
+  * the snapshotter takes the latest published version and packs it (checksum fused) into the
+    snapshot as soon as the snapshot is free (no sender is reading it), then offers it to every
+    sender. A version whose snapshot is still being sent when the trainer reaches its next boundary
+    (``wait_snapshot``: it is about to change the weights) is skipped (``superseded``): the trainer
+    never waits for the wire. ``close`` is a boundary with no change after it: the last version
+    waits for the snapshot and is sent;
+  * one sender per data path (one for all servers, or one per server with ``group_per_server``)
+    takes the newest snapshot offered to it and sends it (``transport.send``).
+Memory is the budget: one snapshot (a sharded trainer's rank: of its local shards), or senders + 1
+with ``group_per_server`` so that a slow server only makes *its* versions supersede. On a device, a
+snapshot is rewritten only after the ``sent`` markers of the senders that read it
+(trainer/streams.py has the streams and markers).
+
+A sharded trainer's snapshotters agree at each version (``TrainerRanks.all_agree`` on the sync's
+own boundary group): the version is taken on every rank or on none, so every rank's sender sends the
+same versions in the same order. ``publish`` there first waits for the previous version's decision
+(the ``wait_snapshot`` the loop calls anyway), so no rank's latest-wins slot skips a version
+another rank's takes. A rank that is gone (``TrainerRankLost``) stops the worker: ``publish`` and
+``wait_snapshot`` then raise it.
 """
 
 from __future__ import annotations
@@ -30,12 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.metrics import SyncMetrics, SyncResult
-from asyncsync.trainer.source import WeightsView, check_layout
+from asyncsync.trainer.ranks import TrainerRanks, TrainerRankLost
+from asyncsync.trainer.source import WeightsView
 from asyncsync.trainer.streams import Marker, StreamSet
-from asyncsync.transport.membership import Membership, lowest_member_version
-from asyncsync.transport.send import send_version
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +51,18 @@ log = logging.getLogger(__name__)
 class Snapshot:
     """One version in packed form: a flat buffer per bucket and each bucket's checksum."""
 
-    buffers: PackedBuffers
+    buffers: Any  # PackedBuffers (one process) or ShardedBuffers (a sharded trainer's rank, a host snapshot)
     version: int = 0
     done: Marker = None  # the stream marker recorded after the copy
     sent: list[Marker] = field(default_factory=list)  # senders' markers after their broadcasts read it
     started: float = 0.0
     snapshot_s: float = 0.0
     taken: int = 0    # senders that took this version
+
+
+# Sends one version from a snapshot's source; returns the version's result (a sharded trainer's
+# ranks other than 0 get rank 0's). Never raises for a server's failure.
+Sender = Callable[[int, Any, SyncResult], SyncResult]
 
 
 @dataclass
@@ -73,29 +85,38 @@ class _State:
     last_marker: Marker = None
     closing: bool = False
     errors: list[str] = field(default_factory=list)
+    lost: str | None = None  # why another trainer rank is gone: the worker stopped
+    boundary: bool = False   # the trainer is about to change the weights: take or skip the pending version now
+    draining: bool = False   # close(): the pending version waits for a free snapshot, then is taken
 
 
 class SyncWorker:
-    """Snapshotter and sender threads between the trainer and its ``Membership``s (see the module doc)."""
+    """Snapshotter and sender threads between the trainer and its data paths (see the module doc)."""
 
-    def __init__(self, memberships: list[Membership], plan: BucketPlan, new_buffers: Callable[[], PackedBuffers],
-                 streams: StreamSet, metrics: SyncMetrics):
-        self.memberships, self.plan, self.streams, self.metrics = memberships, plan, streams, metrics
-        self._sets = [Snapshot(new_buffers()) for _ in range(len(memberships) + 2)]
+    def __init__(self, senders: list[Sender], plan: BucketPlan, new_buffers: Callable[[], Any], streams: StreamSet,
+                 metrics: SyncMetrics, ranks: TrainerRanks, served: Callable[[int], int]):
+        self.senders, self.plan, self.streams, self.metrics = senders, plan, streams, metrics
+        self.ranks, self.served = ranks, served
+        self._sets = [Snapshot(new_buffers()) for _ in range(1 if len(senders) == 1 else len(senders) + 1)]
         self._cond = threading.Condition()
-        self._s = _State(ready=[None] * len(memberships), sending=[None] * len(memberships))
+        self._s = _State(ready=[None] * len(senders), sending=[None] * len(senders))
         self._threads = [threading.Thread(target=self._guarded, args=(self._snapshot_loop,), name="asyncsync-snapshot",
                                           daemon=True)] + [
             threading.Thread(target=self._guarded, args=(self._send_loop, i), name=f"asyncsync-send-{i}", daemon=True)
-            for i in range(len(memberships))
+            for i in range(len(senders))
         ]
         for t in self._threads:
             t.start()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the snapshots: async mode's memory cost on the trainer's device."""
+        """Bytes of the snapshots and their buffers on the trainer's device: async mode's memory cost."""
         return sum(s.buffers.nbytes for s in self._sets)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of snapshots kept in host memory (``snapshot: host``)."""
+        return sum(getattr(s.buffers, "host_nbytes", 0) for s in self._sets)
 
     # -- trainer side ---------------------------------------------------------------------------
 
@@ -103,6 +124,9 @@ class SyncWorker:
         """O(1) beyond reading the view: never waits for a server, the network or the previous sync."""
         marker = self.streams.params_ready()
         with self._cond:
+            if self.ranks.world > 1:  # every rank decides on every version (module doc)
+                self._decided()
+            self._raise_lost()
             if version <= self._s.last_published:
                 raise ValueError(f"version {version} is not newer than the last published {self._s.last_published}")
             if self._s.closing:
@@ -119,7 +143,8 @@ class SyncWorker:
         """Hold the trainer until the last published version has been copied out (the only wait)."""
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._s.last_snapshot >= self._s.last_published or self._snapshotter_dead())
+            self._decided()
+            self._raise_lost()
             marker = self._s.last_marker
         if marker is not None:
             self.streams.compute_wait(marker)
@@ -128,17 +153,26 @@ class SyncWorker:
     def wait_served(self, version: int, timeout: float | None = None) -> bool:
         """Wait until every server in a group serves ``version`` or later (evicted ones excluded)."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: lowest_member_version(self.memberships, version) >= version or self._s.closing, timeout)
+            return self._cond.wait_for(lambda: self.served(version) >= version or self._s.closing, timeout)
 
     @property
     def errors(self) -> list[str]:
         with self._cond:
             return list(self._s.errors)
 
+    def _decided(self) -> None:
+        """(Holding the lock.) The boundary: the last published version is taken or skipped now."""
+        if self._s.last_snapshot < self._s.last_published:
+            self._s.boundary = True
+            self._cond.notify_all()
+        self._cond.wait_for(lambda: self._s.last_snapshot >= self._s.last_published or self._snapshotter_dead())
+
     def close(self) -> None:
-        """Drain: every published version is sent or superseded, then the threads stop."""
+        """Drain: the last published version is taken once the snapshot is free (the trainer changes
+        no weights after its last publish) and sent, then the threads stop."""
         with self._cond:
+            self._s.draining = True
+            self._cond.notify_all()
             self._cond.wait_for(lambda: self._idle() or not all(t.is_alive() for t in self._threads))
             self._s.closing = True
             self._cond.notify_all()
@@ -148,6 +182,16 @@ class SyncWorker:
     def _idle(self) -> bool:
         s = self._s
         return s.published is None and s.writing is None and not any(s.ready) and not any(s.sending)
+
+    @property
+    def lost(self) -> str | None:
+        """Why another trainer rank is gone, when it is: the worker stopped."""
+        with self._cond:
+            return self._s.lost
+
+    def _raise_lost(self) -> None:
+        if self._s.lost is not None:
+            raise TrainerRankLost(self._s.lost)
 
     def _snapshotter_dead(self) -> bool:
         return not self._threads[0].is_alive()
@@ -161,27 +205,47 @@ class SyncWorker:
             log.exception("%s stopped", threading.current_thread().name)
             with self._cond:
                 self._s.errors.append(f"{threading.current_thread().name} stopped: {type(e).__name__}: {e}")
+                if isinstance(e, TrainerRankLost):
+                    self._s.lost = self._s.lost or str(e)
                 self._cond.notify_all()
 
     # -- snapshotter thread ---------------------------------------------------------------------
+
+    def _free(self) -> Snapshot | None:
+        """(Holding the lock.) A snapshot no sender is reading or about to read."""
+        busy = {id(x) for x in [*self._s.sending, *self._s.ready] if x is not None}
+        return next((s for s in self._sets if id(s) not in busy), None)
 
     def _snapshot_loop(self) -> None:
         self.streams.enter_copy_thread()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._s.published is not None or self._s.closing)
+                self._cond.wait_for(lambda: self._s.closing or (self._s.published is not None and (
+                    self._free() is not None or (self._s.boundary and not self._s.draining))))
                 if self._s.published is None:
                     return
-                item, self._s.published = self._s.published, None
-                busy = {id(x) for x in [*self._s.sending, *self._s.ready] if x is not None}
-                target = next(s for s in self._sets if id(s) not in busy)
+                item, self._s.published, self._s.boundary = self._s.published, None, False
+                target = self._free()
                 self._s.writing = target
+            if not self.ranks.all_agree(target is not None):  # every rank's snapshot is free, or none takes it
+                log.debug("version %d skipped: the snapshot is still being sent", item.version)
+                self.metrics.count("superseded")
+                with self._cond:
+                    self._s.writing = None
+                    self._s.last_snapshot = max(self._s.last_snapshot, item.version)
+                    self._cond.notify_all()
+                continue
+            assert target is not None
+            failure: Exception | None = None
             try:
                 self._take(item, target)
             except Exception as e:  # a changed layout, an unpackable tensor: report it, keep the trainer going
-                log.error("snapshot of version %d failed: %s", item.version, e)
+                failure = e
+            if not self.ranks.all_agree(failure is None):  # a version half the ranks could not copy is sent by none
+                reason = f"snapshot failed: {failure}" if failure else "snapshot failed on another trainer rank"
+                log.error("version %d: %s", item.version, reason)
                 with self._cond:
-                    self._s.errors.append(f"version {item.version}: snapshot failed: {e}")
+                    self._s.errors.append(f"version {item.version}: {reason}")
                     self._s.writing = None
                     self._s.last_snapshot = max(self._s.last_snapshot, item.version)
                     self._cond.notify_all()
@@ -191,7 +255,7 @@ class SyncWorker:
                 waiting = next((r for r in self._s.ready if r is not None), None)
                 if waiting is not None and waiting.taken == 0:
                     self.metrics.count("superseded")  # no sender took it before the next one came
-                self._s.ready = [target] * len(self.memberships)
+                self._s.ready = [target] * len(self.senders)
                 self._s.writing = None
                 self._s.last_snapshot = max(self._s.last_snapshot, item.version)
                 self._s.last_marker = target.done
@@ -201,7 +265,6 @@ class SyncWorker:
         """Enqueue the copy of ``item`` into ``target``; on a device it is "taken" once queued."""
         t0 = time.perf_counter()
         named = item.view.tensors()
-        check_layout(self.plan, named, target.buffers.device)
         after = [item.ready, *target.sent]  # the step's writes, and the broadcasts that read target last
         target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=after)
         target.version, target.taken, target.sent = item.version, 0, []
@@ -212,7 +275,7 @@ class SyncWorker:
 
     def _send_loop(self, i: int) -> None:
         self.streams.enter_sender_thread()
-        members = self.memberships[i]
+        send = self.senders[i]
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._s.ready[i] is not None or (self._s.closing and self._idle()))
@@ -228,10 +291,12 @@ class SyncWorker:
                 result = SyncResult(
                     snap.version, self.plan.total_bytes, len(self.plan.buckets), snapshot_s=snap.snapshot_s, started=snap.started
                 )
-                send_version(members, snap.version, self.plan, snap.buffers.packed(), result)
+                result = send(snap.version, snap.buffers.packed(), result)
                 self.metrics.record(result)
                 if first:  # count a version once, however many senders carry it
                     self.metrics.count("sent" if result.server_versions else "failed")
+            except TrainerRankLost:
+                raise  # the sync cannot go on (``_guarded`` stops the worker)
             except Exception as e:
                 log.exception("sync of version %d failed", snap.version)
                 self.metrics.count("failed")

@@ -4,7 +4,10 @@ The trainer's code is synchronous; everything that talks HTTP runs on this loop,
 trainer or the sync worker with ``ControlLoop.submit``. Each server gets its own ``ClientSession``
 and ``TCPConnector`` reused for every call, with a keep-alive shorter than the server's: reusing a
 socket the server just closed as idle gives ECONNRESET. Servers close idle sockets after 75 s
-(aiohttp, the reference server) or 5 s (uvicorn: vLLM and SGLang), so each engine kind picks its own.
+(aiohttp, the reference server) or 5 s (uvicorn: vLLM and SGLang), so each engine kind picks its own;
+a keep-alive of None reuses no connection (vLLM's client: uvicorn also closes a connection right
+after answering 500 for an RPC that raised, and the next call, often a discard that is never
+retried, would go out on it).
 
 Every call has a deadline covering all its attempts. Only idempotent calls (reads such as
 ``/version``) are retried, with exponential backoff, and only after failures that say nothing was
@@ -103,7 +106,8 @@ class HttpClient:
     """
 
     def __init__(self, base_url: str, token: str | None = None, default_timeout_s: float = 120.0,
-                 keepalive_s: float = CLIENT_KEEPALIVE_S, retry: RetryPolicy = RetryPolicy(), session: str | None = None):
+                 keepalive_s: float | None = CLIENT_KEEPALIVE_S, retry: RetryPolicy = RetryPolicy(),
+                 session: str | None = None):
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         if session:
@@ -115,7 +119,10 @@ class HttpClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=8, keepalive_timeout=self._keepalive_s)
+            if self._keepalive_s is None:  # a new connection for every call
+                connector = aiohttp.TCPConnector(limit=8, force_close=True)
+            else:
+                connector = aiohttp.TCPConnector(limit=8, keepalive_timeout=self._keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 

@@ -9,8 +9,10 @@ in the same order on every rank:
                            whether every rank's did: keep them, or drop them for rank 0's next attempt
     ("version", plan)      run one version's data path (``transport.send.follow_version``); None: no
                            server is in a group, nothing to send
-    ("done",)              the version is over (rank 0 has collected the servers' answers)
-    ("ready", plan)        connect() is over: the bucket plan and the owners every rank uses
+    ("done", result)       the version is over: rank 0's ``SyncResult`` (the servers' answers), or
+                           None when the version was abandoned
+    ("ready", setup)       connect() is over: the bucket plan, its owners and the names sent
+    ("failed", why)        connect() failed on rank 0 (no server, a conflict): every rank raises
     ("stop",)              close()
 """
 
@@ -31,6 +33,10 @@ class Stopped(Exception):
     """Rank 0 closed the sync."""
 
 
+class ConnectFailed(RuntimeError):
+    """Rank 0's ``connect`` failed (its own error says why); every other rank raises this."""
+
+
 class Follower:
     def __init__(self, ranks: TrainerRanks, runtime: Runtime):
         self.ranks, self.runtime = ranks, runtime
@@ -46,6 +52,8 @@ class Follower:
                 return command
             elif command[0] == "stop":
                 raise Stopped()
+            elif command[0] == "failed":
+                raise ConnectFailed(f"trainer rank 0 could not connect: {command[1]}")
             else:
                 raise RuntimeError(f"trainer rank {self.ranks.rank} expected {kinds} from rank 0, got {command[0]!r}: "
                                    "the ranks called connect/publish/close in different orders")

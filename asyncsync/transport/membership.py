@@ -83,6 +83,7 @@ class Membership:
         self.session = session or new_session()  # sent with every call; its random part names the groups
         self.engines: list[EngineClient] = [make_engine(s, config.deadlines.http_s, self.session) for s in config.servers]
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
+        self.server_ranks: dict[str, int] = {}  # data-plane ranks each server reported (at its last epoch)
         self.members: list[EngineClient] = []
         self.shared: set[str] = set()  # members that map versions from shared memory (no data-plane group)
         self.pool: SegmentPool | None = None  # the shared-memory segments (set by WeightSync once it planned)
@@ -152,6 +153,7 @@ class Membership:
         self.conflicts = {}
         cfg = self.config
         sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        self.server_ranks.update({u: n for u, n in sizes.items() if isinstance(n, int)})
         unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
         if refuse_unsupported and unsupported:
             raise unsupported[0]
@@ -165,7 +167,8 @@ class Membership:
         while alive:
             self.epoch += 1
             wired = [e for e in alive if e.url not in self.shared]
-            if not wired:  # every server maps versions from shared memory: no data-plane group
+            if not wired:  # every server maps versions from shared memory: no data-plane group (a single
+                # trainer process: no follower rank waits for an epoch, ``_same_host``)
                 self.members = alive
                 log.info("epoch %d: %d server(s) on shared memory, no data-plane group", self.epoch, len(alive))
                 break

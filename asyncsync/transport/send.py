@@ -30,7 +30,7 @@ from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
-from asyncsync.trainer.ranks import TrainerRanks
+from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups
@@ -75,9 +75,9 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.started = result.started or start
     if members.group is None and not members.shared:
         ranks.from_leader(("version", None))  # no server to send to: the other ranks skip it too
-        ranks.from_leader(("done",))
         result.failures = dict(members.evicted)
         result.finished = time.perf_counter()
+        ranks.from_leader(("done", result))
         return result
     engines = list(members.members)
     deadlines = tuple(members.pace.deadline_s(b.nbytes) for b in plan.buckets)
@@ -118,14 +118,24 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             raise
 
     # One future per server, so the broadcast can watch them: a server whose update is answered
-    # before its data was sent is not receiving, and the rest of the version is not broadcast (a
-    # sharded trainer's ranks go through every bucket together: there, deadlines end it).
+    # before its data was sent is not receiving (unless it receives in the background and said yes),
+    # and the rest of the version is not broadcast (a sharded trainer's ranks go through every bucket
+    # together: there, deadlines end it).
     posted = {e.url: members.control.submit(begin_and_update(e)) for e in engines}
+    background = frozenset(e.url for e in engines if e.receives_in_background)
     broken: str | PackFailed | None = None
-    if members.group is not None:
+    if members.group is not None:  # servers on shared memory already know where the version is
         wired = {u: f for u, f in posted.items() if u not in members.shared}
-        broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, wired if ranks.world == 1 else None)
-        broken = _finish_data_path(members, plan, broken, crcs, deadlines)
+        try:
+            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
+                                      wired if ranks.world == 1 else None, background)
+            broken = _finish_data_path(members, plan, broken, crcs, deadlines)
+        except TrainerRankLost:
+            # Another trainer rank is gone: its buckets will never come. The dropped group fails every
+            # server's update at once (each is aborted: it keeps serving its last complete version).
+            members.drop_group(broken=True)
+            _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+            raise
     result.wire_s = time.perf_counter() - start - result.pack_s
     if broken is None:
         if members.group is not None:
@@ -138,9 +148,13 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if isinstance(broken, PackFailed):
         # The trainer abandoned the version: every server's update failed with the dropped group (and
         # was aborted), none is sent ``end``, so each keeps serving its last complete version. No
-        # server is to blame: a new epoch over the same servers, then the caller hears why.
+        # server is to blame: a new epoch over the same servers, then the caller hears why. A server
+        # receiving in the background said yes before the group was dropped: it is told to discard.
+        answered = [e for e in engines if not isinstance(updated[e.url], BaseException)]
+        _collect({e.url: members.control.submit(abort(e)) for e in answered},
+                 max((deadline(e, "abort") for e in answered), default=0.0))
         members.form(engines)
-        ranks.from_leader(("done",))
+        ranks.from_leader(("done", None))
         cause, broken = broken.cause, None
         try:
             raise cause
@@ -150,6 +164,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
+    result.switch_s = {e.url: e.last_switch_s for e in took
+                       if e.url in result.server_versions and e.last_switch_s is not None}
     members.server_versions.update(result.server_versions)
     if members.pool is not None:
         for e in took:
@@ -167,10 +183,10 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             members.pool.evicted(url, requests[url].shm.segment)  # it may still be reading: never rewrite it
     if broken is not None or unreachable:
         members.form([e for e in engines if e.url not in unreachable])
-    ranks.from_leader(("done",))
     result.apply_s = time.perf_counter() - t0
     result.finished = time.perf_counter()
     result.total_s = result.finished - result.started
+    ranks.from_leader(("done", result))
     return result
 
 
@@ -209,12 +225,15 @@ def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float
     return out
 
 
-def _answered_early(posted: dict[str, concurrent.futures.Future[Any]]) -> str | None:
+def _answered_early(posted: dict[str, concurrent.futures.Future[Any]], background: frozenset[str]) -> str | None:
     """A server that answered its update before the broadcast ended is not receiving it (it failed or
-    refused before any data): what it said, or None when every server is still receiving."""
+    refused before any data), unless it receives in the background and answered yes: what it said,
+    or None when every server is still receiving."""
     for url, future in posted.items():
         if future.done():
             error = future.exception()
+            if error is None and url in background:
+                continue
             return f"{url} answered before its data was sent ({error or 'no error'}): the version cannot complete"
     return None
 
@@ -241,18 +260,24 @@ def owner_of(source: BucketSource, bucket: Bucket) -> int:
     return owner(bucket) if owner is not None else 0
 
 
-def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, checksum: bool) -> None:
-    """A sharded trainer's rank other than 0: its part of the version rank 0 announces next (raises
-    ``Stopped`` when rank 0 closes instead). Never raises for a server's failure."""
+def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, checksum: bool) -> SyncResult | None:
+    """A sharded trainer's rank other than 0: its part of the version rank 0 announces next, and rank
+    0's result of it (None when rank 0 abandoned it); raises ``Stopped`` when rank 0 closes instead,
+    ``TrainerRankLost`` when a rank is gone, and what ``source`` raised when this rank could not pack
+    its pieces. Never raises for a server's failure."""
     ranks = follower.ranks
     (_, announced) = follower.until("version")
+    failed: PackFailed | None = None
     if announced is not None and follower.group is not None:
         broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, None)
         ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
-        if isinstance(broken, PackFailed):
-            follower.until("done")
-            raise broken.cause
-    follower.until("done")
+        failed = broken if isinstance(broken, PackFailed) else None
+        if broken is not None and failed is None:
+            follower.drop_group(broken=True)  # rank 0 forms a new epoch (and tells this rank) before "done"
+    (_, result) = follower.until("done")
+    if failed is not None:
+        raise failed.cause
+    return result
 
 
 def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackFailed | None,
@@ -289,14 +314,16 @@ def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
 
 def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
                result: SyncResult | None, deadlines: tuple[float, ...],
-               posted: dict[str, concurrent.futures.Future[Any]] | None) -> tuple[str | PackFailed | None, dict[int, Any]]:
-    """Every bucket, each with its deadline: a sharded trainer's ranks gather each bucket's pieces at
+               posted: dict[str, concurrent.futures.Future[Any]] | None,
+               background: frozenset[str] = frozenset()) -> tuple[str | PackFailed | None, dict[int, Any]]:
+    """Every bucket, each with its deadline: a sharded trainer's ranks send each bucket's pieces to
     its owner, which broadcasts it; a single process broadcasts every bucket. Returns what broke the
     data plane, as text (an exception kept here would hold the group's sockets through its traceback)
     or the packing failure that abandoned the version, and the checksums of the buckets this rank sent.
 
-    A sharded trainer's ranks go through every bucket's gather whatever happens to their broadcasts,
-    so the gathers stay paired on every rank; after a failure a rank only stops broadcasting."""
+    A sharded trainer's ranks go through every bucket's exchange whatever happens to their
+    broadcasts, so sends and receives stay paired on every rank; after a failure a rank only stops
+    broadcasting. A rank that is gone raises ``TrainerRankLost`` (the sync cannot go on)."""
     works: dict[int, Any] = {}
     crcs: dict[int, Any] = {}
     sent: list[torch.Tensor] = []  # every buffer stays referenced until its broadcast finished
@@ -305,33 +332,38 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
 
     def wait(i: int) -> None:
         nonlocal stopped
+        work = works.pop(i)
+        if isinstance(stopped, str):
+            return  # the group broke: it is aborted after this version, and no other wait would succeed
         try:
-            group.wait(works.pop(i))  # returns by the broadcast's own deadline
+            group.wait(work)  # returns by the broadcast's own deadline
         except DataPlaneError as e:
             stopped = stopped or str(e)
 
     for i, bucket in enumerate(plan.buckets):
-        owner = owner_of(source, bucket)
-        mine = owner == ranks.rank
+        mine = owner_of(source, bucket) == ranks.rank
         before = source.reuses(bucket) if mine else None
         if before is not None and before in works:
             wait(before)  # that buffer is rewritten only once its broadcast finished
         if posted is not None and stopped is None:
-            stopped = _answered_early(posted)
+            stopped = _answered_early(posted, background)
         if stopped is not None and not sharded:
             break
         t0 = time.perf_counter()
+        buf = None
         try:
-            if sharded:
-                ranks.gather(source.contribution(bucket), owner, source.staging(bucket) if mine else None)
-                if mine:
-                    source.assemble(bucket, source.staging(bucket))
-            buf = source.bucket(bucket) if mine else None
-        except Exception as e:
-            if sharded and not isinstance(e, UnpackableTensor):
-                raise  # TrainerRankLost: another rank is gone, the sync cannot go on
+            if mine:
+                buf = source.bucket(bucket)  # a sharded trainer's owner receives the other ranks' pieces here
+            else:
+                source.contribute(bucket)  # type: ignore[attr-defined]
+        except UnpackableTensor as e:
             log.error("version abandoned: bucket %d could not be packed: %s", i, e)
-            return PackFailed(e), crcs
+            if not sharded:
+                return PackFailed(e), crcs
+            # ``contribute`` sent stale bytes anyway, so the other ranks' sends and receives stay
+            # paired; no server applies them (rank 0 hears of the failure before the manifest).
+            stopped = stopped if isinstance(stopped, PackFailed) else PackFailed(e)
+            continue
         if result is not None:
             result.pack_s += time.perf_counter() - t0
         if buf is None or stopped is not None:

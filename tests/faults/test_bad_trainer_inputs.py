@@ -94,7 +94,7 @@ def meta_linear() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("make", "error", "message"), [
-    (sharded_linear, ShardedWeightsUnsupported, r"'weight' is a DTensor .* does not send sharded weights yet. Gather them"),
+    (sharded_linear, ShardedWeightsUnsupported, r"'weight' is a DTensor .* runs in one process.* call connect\(\), publish\(\)"),
     (meta_linear, UnpackableTensor, r"tensor 'weight' is a meta tensor"),
     (lambda: {"w": torch.ones(2), "b": "0.5"}, UnpackableTensor, r"tensor 'b' is a str, not a tensor"),
 ], ids=["dtensor", "meta", "not-a-tensor"])

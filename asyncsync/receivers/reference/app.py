@@ -16,8 +16,9 @@ Routes (JSON in and out)::
     POST /begin             {"version": v}
     POST /update            UpdateRequest; answered once every bucket is received and verified (with
                             ``shm``: mapped from the trainer's shared memory instead of the data plane)
-    POST /end               {"version": v} -> {"version": v, "holds": [segments]}   swaps the staged
-                            version in; ``holds``: the trainer's segments the live weights map
+    POST /end               {"version": v} -> {"version": v, "switch_s": s, "holds": [segments]}   swaps
+                            the staged version in; generation was held s seconds for the swap;
+                            ``holds``: the trainer's segments the live weights map
 
 One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
 its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
@@ -48,6 +49,7 @@ import torch
 from aiohttp import web
 
 from asyncsync.models import generate
+from asyncsync.protocol.background import enter_background_thread
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.shm import HostIdentity, sweep_stale
@@ -104,8 +106,10 @@ class ReferenceServer:
         self.owners = TrainerOwnership(trainer_lease_s)
         self.serve_lock = threading.Lock()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
-        # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA).
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=self.receiver.runtime.enter_thread)
+        # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
+        # at a lower CPU priority than generation (and so do the threads of the groups it creates).
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=enter_background_thread,
+                                        initargs=(self.receiver.runtime,))
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
         self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S),
                                 functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
@@ -260,7 +264,8 @@ class ReferenceServer:
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
         version = await self._run(self._comm, self.receiver.commit, req.version)
-        return web.json_response({"version": version, "holds": list(self.receiver.holds)})
+        return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
+                                  "holds": list(self.receiver.holds)})
 
 
 def _session(request: web.Request) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -41,6 +42,7 @@ class WeightReceiver:
         self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
         self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime)
         self._staged: StagedVersion | None = None
+        self.last_switch_s = 0.0  # how long the last commit held generation (``serve_lock``)
 
     @property
     def expected_names(self) -> list[str]:
@@ -57,7 +59,7 @@ class WeightReceiver:
         ``VersionRejected`` after the last one if anything was wrong (unknown name, shape or dtype,
         missing tensor, bad checksum, stale version)."""
         self._staged = None
-        self._staged = self.stager.adopt(req, self.version) if req.shm is not None else self.stager.receive(req, self.version)
+        self._staged = self.stager.receive(req, self.version)
 
     @property
     def holds(self) -> tuple[str, ...]:
@@ -86,11 +88,13 @@ class WeightReceiver:
             have = staged.version if staged else None
             raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
         with self.serve_lock, torch.no_grad():
+            start = time.perf_counter()
             for name, view in staged.tensors():
                 self._live[name].set_(view)  # the live tensor now aliases its bytes in the buffer
             self.version = version
             self.applied.append(version)
             self.stager.mark_live(staged)
+            self.last_switch_s = time.perf_counter() - start
         self._staged = None
         return version
 

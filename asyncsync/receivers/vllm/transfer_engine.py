@@ -1,22 +1,36 @@
-"""The worker side of asyncsync's vLLM backend: receive a version, verify it, load it in one step.
+"""The worker side of asyncsync's vLLM backend: receive a version, verify it, load it whole.
 
 vLLM calls, per version: ``start_weight_update``, ``update_weights`` (with asyncsync's
-``UpdateRequest``), ``finish_weight_update``. This engine does all of its work inside
-``update_weights``:
+``UpdateRequest``), ``finish_weight_update``, each as an RPC on the worker's main thread, the thread
+that also runs the forward passes: while an RPC runs, vLLM generates nothing. Per version:
 
-1. receive every bucket into flat staging buffers and verify them (CRC32C manifest, and names,
-   dtypes and shapes against the checkpoint the server loaded, every tensor exactly once); a bad
-   version is refused here, before the model is touched;
+1. receive every bucket into the staging arena and verify it (CRC32C manifest, and names, dtypes
+   and shapes against the checkpoint the server loaded, every tensor exactly once; tied modules that
+   cannot be re-processed refuse every version: ``receivers/vllm/ties.py``); a bad version is
+   refused before the model is touched;
 2. only then open vLLM's layerwise reload, ``model.load_weights`` the whole version (HF checkpoint
    names), and close the reload, even when loading raises;
-3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``:
-   ``receivers/vllm/ties.py``), so no layer keeps computing with derived state of older weights. A
-   model with a tied module whose processing cannot be re-run has every version refused in step 1.
+3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``).
 
-The reload (which parks parameters on the meta device until each layer is complete) therefore never
-spans two RPCs: a forward pass can run only between RPCs, so none ever meets a half-loaded model,
-whether or not the trainer pauses generation and whatever happens to the trainer mid-update.
-``start_weight_update`` and ``finish_weight_update`` have nothing left to do.
+Where step 1 runs is the request's ``receive`` mode:
+
+* ``background``: ``update_weights`` starts step 1 on a worker thread (``protocol.background``; on
+  CUDA on a dedicated stream, ordered against the load by events) and returns at once, so the engine
+  keeps stepping during the whole transfer. ``finish_weight_update`` waits for the verified version
+  (normally already there: the trainer calls it after its last broadcast) and does steps 2-3. The
+  engine is held only for the load.
+* ``in_rpc``: ``update_weights`` does steps 1-3 itself; the engine is held for the whole transfer,
+  but nothing of the receive (checksum temporaries, the data plane's buffers) overlaps generation.
+
+Either way the reload opens and closes inside one RPC, during which vLLM runs no forward pass, so no
+request ever meets a half-loaded model, whatever the trainer's pause policy and whatever happens to
+the trainer mid-update.
+
+vLLM's worker marks an update active from ``start_weight_update`` until ``finish_weight_update``
+returns; if ``finish`` raises (a refused version) the mark stays, and the next ``start`` fails. So
+``finish`` leaves nothing pending whatever happens, a second ``finish`` is a no-op that ends vLLM's
+session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the background
+that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it aborts.
 
 Contract: a version this engine reports loaded is served by every module, each with the processing
 derived from that version's weights; a version that cannot be is refused before the model is touched.
@@ -27,19 +41,27 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
-from asyncsync.protocol.staging import BucketStager, StagedVersion
-from asyncsync.protocol.wire import InitGroupRequest, UpdateRequest
+from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
+from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
+
+# How long finish_weight_update waits for a version received in the background. The trainer calls it
+# after its last broadcast, so only the verification of the last bucket is normally left; the engine
+# generates nothing meanwhile.
+FINISH_WAIT_S = 10.0
+
 
 class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
     """Receives asyncsync's buckets over a gloo (CPU) or NCCL (GPU) group and loads them whole."""
@@ -47,6 +69,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     init_info_cls = InitGroupRequest  # type: ignore[assignment]
     update_info_cls = UpdateRequest  # type: ignore[assignment]
     supports_draft_weight_update = False  # the expected tensors are the main checkpoint's
+    defers_processing = True  # with ``receive: background`` update_weights returns before the load
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
@@ -56,45 +79,79 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
                                    runtime_for(torch.device(device)), arena=True)
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
         self.ties = TiedModules(model)
+        self.background = BackgroundReceive(self.stager, lambda staged: self.ties.check(staged.version))
         log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
         return InitGroupRequest.from_json(init_dict)
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest:  # type: ignore[override]
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest | DiscardRequest:  # type: ignore[override]
+        if isinstance(update_dict, dict) and "discard" in update_dict:
+            return DiscardRequest.from_json(update_dict)
         return UpdateRequest.from_json(update_dict)
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.stager.join(init_info.groups, rank)
+        self.background.join(init_info.groups, rank)  # drops a version of the old groups, which cannot complete
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reload is opened in ``receive_weights``, once the version is verified."""
+        """Nothing to prepare: the reload is opened only once a version is verified."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
+        """``in_rpc``: receive, verify and load the version here. ``background``: start receiving it
+        on the worker thread and return at once. A ``DiscardRequest`` drops a background version."""
+        request = self.parse_update_info(update_info)
+        if isinstance(request, DiscardRequest):
+            self.background.cancel()
+            log.info("discarded version %d", request.version)
+            return
+        if request.receive == "background":
+            self.background.start(request, self.version)  # raises VersionRejected if one is in flight
+            return
+        if self.background.pending:
+            raise VersionRejected(f"version {request.version} rejected: version {self.background.version} is "
+                                  "being received in the background; finish or discard it first")
+        self.receive_weights(request)
+        torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
 
     def receive_weights(self, update_info: UpdateRequest) -> None:  # type: ignore[override]
         # From the data plane, or (``transport: shm``, same host) copied once from the trainer's shared
         # memory into the arena; either way verified before the model is touched (raises VersionRejected).
-        stager = self.stager
-        staged = stager.adopt(update_info, self.version) if update_info.shm is not None else stager.receive(update_info, self.version)
+        staged = self.stager.receive(update_info, self.version)
         self.ties.check(staged.version)  # raises VersionRejected; model untouched
         self._load(staged)
-        self.version = staged.version
-        log.info("loaded version %d (%d buckets)", staged.version, len(staged.buckets))
+
+    def finish_weight_update(self) -> None:
+        """Load the version received in the background, if one is pending (else nothing: the version
+        was loaded in ``update_weights``, or this ends a session whose finish raised). Raises what
+        the receive raised (a refused version); nothing is pending afterwards either way."""
+        if not self.background.pending:
+            return
+        staged = self.background.take(FINISH_WAIT_S)
+        try:
+            self._load(staged)
+        finally:
+            self.background.released()  # the arena may be received into once the load has read it
+
+    def drain_pending(self) -> None:
+        """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
+        self.finish_weight_update()
 
     def _load(self, staged: StagedVersion) -> None:
+        start = time.perf_counter()
         initialize_layerwise_reload(self.model)
         try:
             loaded = self.model.load_weights(staged.tensors())
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
-
-    def finish_weight_update(self) -> None:
-        """Nothing to finish: ``receive_weights`` closed the reload it opened."""
+        self.version = staged.version
+        log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
+                 time.perf_counter() - start)
 
     def shutdown(self) -> None:
-        self.stager.close()
+        self.background.close()
 
 
 def checkpoint_specs(vllm_config: Any) -> dict[str, TensorSpec]:

@@ -1,0 +1,199 @@
+"""Sharded trainers: sync time with every rank sending the buckets it owns (spread) vs. everything
+through rank 0 (funnel), and the memory each rank's sync allocates, per mode.
+
+    python -m benchmarks.sharded [--versions 5] [--link-gbit 8]
+
+For trainer_ranks 1 and 2 (spawned CPU ranks, gloo, the policy ``fully_shard``-ed over them with
+FSDP2), two reference servers: each row has ``sync_s`` (median blocking ``publish``, spread),
+``funnel_sync_s`` (the same with ``funnel: true``), ``spread_vs_funnel`` (funnel / spread: above 1
+means spreading is faster) and ``extra_bytes_per_rank`` (the most any rank allocated, on the device
+and in host memory) for blocking, async with ``snapshot: device`` and async with ``snapshot: host``.
+Writes benchmarks/results/sharded.{json,png} (with ``--link-gbit``, inside an emulated link:
+``benchmarks.netns``, the same file names with ``_link``).
+
+On one host every rank shares the same cores and the same loopback (or the one emulated link), so
+spreading cannot use more bandwidth than the funnel: on a cluster each rank has its own NIC. The
+memory figures are the buffers' own bytes and do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from asyncsync.models import ModelConfig, build_model
+from asyncsync.protocol.group import free_port
+from asyncsync.receivers.reference.launch import ServerProcess, running
+from benchmarks import netns
+from benchmarks.common import RESULTS, write_json
+
+# The GRPO demo's policy shape with fewer experts: ~50 MB, many tensors, few FLOPs.
+MODEL = ModelConfig(family="qwen2_moe", vocab_size=15, hidden_size=256, intermediate_size=512, num_layers=2,
+                    num_heads=4, num_kv_heads=2, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256)
+MODES = {"blocking": dict(async_weight_update=False), "async_device": dict(async_weight_update=True, snapshot="device"),
+         "async_host": dict(async_weight_update=True, snapshot="host")}
+
+
+def rank_main(rank: int, world: int, port: int, urls: list[str], versions: int, bucket_bytes: str, queue: Any) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    try:
+        from asyncsync import WeightSync, WeightSyncConfig
+
+        if world > 1:
+            import torch.distributed as dist
+            from torch.distributed.fsdp import fully_shard
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+        model = build_model(MODEL)
+        if world > 1:
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        version = 1_000_000 * world  # above whatever the servers hold from an earlier row
+
+        def config(**extra: Any) -> Any:
+            return WeightSyncConfig.from_dict({"servers": urls, "bucket_bytes": bucket_bytes, **extra})
+
+        out: dict[str, Any] = {}
+        for label, extra in (("spread", {}), ("funnel", {"funnel": True})):
+            with WeightSync(config(async_weight_update=False, **extra)) as sync:
+                sync.connect(model)
+                times = []
+                for _ in range(versions):
+                    version += 1
+                    t0 = time.perf_counter()
+                    result = sync.publish(model, version)
+                    times.append(time.perf_counter() - t0)
+                    assert result is not None and not result.failures, result
+                out[f"{label}_sync_s"] = statistics.median(times)
+                out["model_bytes"], out["bucket_bytes"] = sync.plan.total_bytes, sync.plan.max_bucket_bytes
+        memory = {}
+        for mode, extra in MODES.items():
+            with WeightSync(config(**extra)) as sync:
+                sync.connect(model)
+                for _ in range(2):  # a real version through every buffer
+                    sync.wait_snapshot()
+                    version += 1
+                    sync.publish(model, version)
+                memory[mode] = {"device": sync.buffer_bytes, "host": sync.host_buffer_bytes}
+            assert not sync.errors, sync.errors
+        out["memory"] = memory
+        queue.put((rank, out, None))
+    except BaseException:
+        queue.put((rank, {}, traceback.format_exc()))
+
+
+def run_world(world: int, urls: list[str], versions: int, bucket_bytes: str) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, urls, versions, bucket_bytes, queue), daemon=True)
+             for r in range(world)]
+    reports = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            rank, out, error = queue.get(timeout=1800)
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            reports[rank] = out
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    lead = reports[0]
+    extra = {mode: {kind: max(r["memory"][mode][kind] for r in reports.values()) for kind in ("device", "host")}
+             for mode in MODES}
+    return {
+        "trainer_ranks": world, "model_bytes": lead["model_bytes"], "bucket_bytes": lead["bucket_bytes"],
+        "sync_s": lead["spread_sync_s"], "funnel_sync_s": lead["funnel_sync_s"],
+        "spread_vs_funnel": lead["funnel_sync_s"] / lead["spread_sync_s"], "extra_bytes_per_rank": extra,
+    }
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = range(len(rows))
+    for i, (key, label) in enumerate((("sync_s", "spread (each rank sends its buckets)"), ("funnel_sync_s", "funnel (rank 0 sends all)"))):
+        bars = ax1.bar([j + (i - 0.5) * 0.35 for j in x], [r[key] * 1e3 for r in rows], 0.35, label=label)
+        ax1.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax1.set_xticks(list(x), [f"{r['trainer_ranks']} rank(s)" for r in rows])
+    ax1.set_ylabel("blocking sync, ms (median)")
+    link = f"{results['link_gbit']:g} gbit/s emulated link" if results["link_gbit"] else "loopback"
+    ax1.set_title(f"{rows[0]['model_bytes'] / 1e6:.0f} MB to 2 servers, {link}")
+    ax1.legend(fontsize=8)
+    modes = list(MODES)
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        dev = [r["extra_bytes_per_rank"][m]["device"] / 1e6 for m in modes]
+        host = [r["extra_bytes_per_rank"][m]["host"] / 1e6 for m in modes]
+        pos = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(modes))]
+        bars = ax2.bar(pos, dev, width, label=f"{r['trainer_ranks']} rank(s): device")
+        ax2.bar(pos, host, width, bottom=dev, hatch="//", alpha=0.5, label=f"{r['trainer_ranks']} rank(s): host")
+        ax2.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax2.axhline(rows[0]["model_bytes"] / 1e6, color="gray", linestyle="--", linewidth=1, label="the model")
+    ax2.set_xticks(range(len(modes)), ["blocking", "async\nsnapshot: device", "async\nsnapshot: host"])
+    ax2.set_ylabel("MB the sync allocates, most of any rank")
+    ax2.set_title("Extra memory per rank")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--versions", type=int, default=5, help="blocking versions timed per row and mode")
+    parser.add_argument("--bucket-bytes", default="4MiB")
+    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns)")
+    parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.link_gbit and not args.on_link:
+        link = netns.Link(args.link_gbit)
+        done = netns.run(link, [sys.executable, "-m", "benchmarks.sharded", *sys.argv[1:], "--on-link"])
+        if done.skipped is not None:
+            print(f"skipped: cannot emulate a {link.describe()} link here: {done.skipped}")
+            return
+        sys.exit(done.returncode)
+    name = "sharded_link" if args.link_gbit else "sharded"
+    rows = []
+    with running([ServerProcess(build_model, (MODEL,), start_timeout_s=300) for _ in range(2)]) as servers:
+        urls = [s.url for s in servers]
+        for world in (1, 2):
+            row = run_world(world, urls, args.versions, args.bucket_bytes)
+            rows.append(row)
+            mem = ", ".join(f"{m} {v['device'] / 1e6:.1f} MB device + {v['host'] / 1e6:.1f} MB host"
+                            for m, v in row["extra_bytes_per_rank"].items())
+            print(f"trainer_ranks {world}: sync {row['sync_s'] * 1e3:.0f} ms spread, {row['funnel_sync_s'] * 1e3:.0f} ms "
+                  f"funnel ({row['spread_vs_funnel']:.2f}x); model {row['model_bytes'] / 1e6:.1f} MB, bucket "
+                  f"{row['bucket_bytes'] / 1e6:.1f} MB; per rank: {mem}", flush=True)
+    results = {"rows": rows, "link_gbit": args.link_gbit, "bucket_bytes_config": args.bucket_bytes,
+               "note": "one host: every rank shares the cores and the link, so spreading cannot add bandwidth here"}
+    write_json(name, results)
+    plot(results, str(RESULTS / f"{name}.png"))
+    print(f"wrote {RESULTS / f'{name}.json'} and {RESULTS / f'{name}.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,9 @@ arrived on the wire (``BucketStager.adopt``): every name, dtype and shape agains
 serves, every bucket's CRC32C against the request, the version against the served one; a bad
 version is refused whole.
 
-The mapping is private (copy on write): the receiver reads the trainer's bytes without a copy, and
-nothing it might write reaches the trainer or another receiver. A receiver that can serve from the
+The mapping is read-only: the receiver reads the trainer's bytes without a copy, and a write to
+them (a bug: nothing serves by writing its weights in place) faults instead of reaching the trainer
+or another receiver. A receiver that can serve from the
 mapping keeps it as its live weights (zero copy) and says so (``holds``: the segments it still
 maps); the trainer never rewrites a segment a receiver holds, and retires (unlinks, never reuses)
 the ones held by a receiver it evicted, so even a receiver that hung while reading keeps intact
@@ -29,6 +30,7 @@ import functools
 import mmap
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +98,8 @@ def segment_pid(name: str) -> int | None:
 
 
 def map_segment(name: str, nbytes: int) -> torch.Tensor:
-    """A flat uint8 tensor over segment ``name``'s first ``nbytes`` bytes: a private (copy-on-write)
-    mapping that lives as long as the tensor or any view of it. ``ShmUnavailable`` if it cannot be mapped."""
+    """A flat uint8 tensor over segment ``name``'s first ``nbytes`` bytes: a read-only mapping that
+    lives as long as the tensor or any view of it. ``ShmUnavailable`` if it cannot be mapped."""
     if not valid_segment_name(name):
         raise ShmUnavailable(f"{name!r} is not an asyncsync segment name")
     try:
@@ -109,12 +111,16 @@ def map_segment(name: str, nbytes: int) -> torch.Tensor:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ShmUnavailable(f"segment {name} holds {size} bytes, the request needs {nbytes}")
-        # Populated at once: one pass over the page tables instead of a fault per page while verifying.
+        # Read-only and populated at once: one pass over the page tables instead of a fault per page
+        # while verifying. (A writable private mapping would be populated by copying every page: a
+        # hidden copy of the whole version per receiver.)
         flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def alive(pid: int) -> bool:

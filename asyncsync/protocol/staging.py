@@ -95,6 +95,7 @@ class BucketStager:
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
         self._live_segment: str | None = None  # the shared-memory segment the live weights map, if any
+        self._mappings: dict[str, torch.Tensor] = {}  # segment -> its mapping (the live one and the last adopted)
         self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
         self._partial_problems: list[str] = []
 
@@ -187,19 +188,30 @@ class BucketStager:
         problems += self._check_complete(list(buckets), req.version, served_version)
         _reject_if(problems, req.version)
         try:
-            mapped = map_segment(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
+            mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
         except ShmUnavailable as e:
             raise VersionRejected(f"version {req.version} rejected: {e}") from None
         views = tuple(mapped[o : o + b.nbytes] for o, b in zip(shm.offsets, buckets))
+        segment: str | None = shm.segment
+        if self.arena is not None:  # copied once, and the copy is what is verified (and later loaded)
+            views, segment = self._set_for(req.buckets).buffers, None
+            for dst, (o, b) in zip(views, zip(shm.offsets, buckets)):
+                dst.copy_(mapped[o : o + b.nbytes])
         if req.checksum:
             bad = [i for i, (view, want) in enumerate(zip(views, shm.crcs)) if bucket_crc(view) != want]
             _reject_if([f"checksum mismatch in bucket(s) {bad}"] if bad else [], req.version)
-        if self.arena is None:
-            return StagedVersion.of(req.version, views, buckets, shm.segment)
-        target = self._set_for(req.buckets)
-        for dst, src in zip(target.buffers, views):
-            dst.copy_(src)
-        return StagedVersion.of(req.version, target.buffers, buckets)
+        return StagedVersion.of(req.version, views, buckets, segment)
+
+    def _mapping(self, segment: str, nbytes: int) -> torch.Tensor:
+        """``segment`` mapped (at least ``nbytes``), each segment once: the trainer packs versions into
+        the same few segments in turn, and mapping 300 MB again costs as much as checksumming it.
+        Kept: the live weights' segment and this one; the others' mappings are dropped (a segment the
+        trainer retired is never written again under a new version, so a kept mapping is never stale)."""
+        mapped = self._mappings.get(segment)
+        if mapped is None or mapped.numel() < nbytes:
+            mapped = map_segment(segment, nbytes)
+        self._mappings = {n: m for n, m in self._mappings.items() if n == self._live_segment} | {segment: mapped}
+        return mapped
 
     @property
     def holds(self) -> tuple[str, ...]:

@@ -162,7 +162,7 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
     """Rounds of (raw flat broadcast, blocking sync through shared memory) to the same servers; the
     raw receivers take part in the flat broadcasts as in every other block."""
     cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes, "transport": "shm"})
-    times: dict[str, list[float]] = {"flat_s": [], "sync_s": []}
+    times: dict[str, list[float]] = {"flat_s": [], "sync_s": [], "pack_s": [], "transfer_s": []}
     with WeightSync(cfg) as sync:
         sync.connect(model)
         for round_ in range(rounds):
@@ -175,6 +175,8 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
             if round_ >= WARMUP_ROUNDS:
                 times["flat_s"].append(flat_s)
                 times["sync_s"].append(sync_s)
+                times["pack_s"].append(last.pack_s)
+                times["transfer_s"].append(sync_s - last.pack_s)
         shm_bytes = sync.buffer_bytes
     block: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     return block | {"bucket_bytes": bucket_bytes, "shm_bytes": shm_bytes,
@@ -182,12 +184,16 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
 
 
 def shm_row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any]) -> dict[str, Any]:
-    """The shared-memory row measured beside a loopback row."""
+    """The shared-memory row measured beside a loopback row. ``shm_vs_flat``: the raw flat broadcast's
+    time over the whole blocking publish (packing the live weights into the segment included, which
+    the flat broadcast, sending a buffer already flat, does not pay); ``shm_transfer_vs_flat``: over
+    the publish less that packing (``transfer_s``: from a packed version to every server serving it)."""
     s = m["shm"]
     return {"transport": "shm", "receivers": receivers, "link_gbit": None, "link_delay_us": 0.0, "model_mb": nbytes / 1e6,
             "tensors": tensors, "bucket_bytes": s["bucket_bytes"], "flat_s": s["flat_s"], "sync_s": s["sync_s"],
             "flat_gbps": nbytes / s["flat_s"] / 1e9, "sync_gbps": nbytes / s["sync_s"] / 1e9,
-            "shm_vs_flat": s["flat_s"] / s["sync_s"], "shm_bytes": s["shm_bytes"], "last": s["last"]}
+            "pack_s": s["pack_s"], "transfer_s": s["transfer_s"], "shm_vs_flat": s["flat_s"] / s["sync_s"],
+            "shm_transfer_vs_flat": s["flat_s"] / s["transfer_s"], "shm_bytes": s["shm_bytes"], "last": s["last"]}
 
 
 def row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any], link: Link | None) -> dict[str, Any]:
@@ -210,7 +216,8 @@ def where(r: dict[str, Any]) -> str:
 def report(r: dict[str, Any]) -> None:
     if r["transport"] == "shm":
         print(f"[shared memory] {r['receivers']} receiver(s): raw flat {r['flat_s']:.3f}s | asyncsync through shm "
-              f"{r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s) | shm vs flat {r['shm_vs_flat']:.2f}x", flush=True)
+              f"{r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s; packing {r['pack_s']:.3f}s, then {r['transfer_s']:.3f}s) | "
+              f"shm vs flat {r['shm_vs_flat']:.2f}x ({r['shm_transfer_vs_flat']:.2f}x without the packing)", flush=True)
         return
     print(f"[{where(r)}] {r['receivers']} receiver(s): {r['model_mb']:.0f} MB, {r['tensors']} tensors, {r['buckets']} buckets | "
           f"raw flat {r['flat_s']:.3f}s ({r['flat_gbps']:.2f} GB/s) | "
@@ -310,6 +317,9 @@ def main() -> None:
     parser.add_argument("--link-delay-us", type=float, nargs="+", default=[0.0, 25.0],
                         help="one-way delays (us) to add on each emulated link (netem); 0: none")
     parser.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback rows")
+    parser.add_argument("--results", default="broadcast",
+                        help="name of the results files (benchmarks/results/NAME.json and .png): a partial run "
+                             "(fewer links, no sweep) under another name leaves the full one in place")
     parser.add_argument("--rows-json", help=argparse.SUPPRESS)  # inside a link: measure, write rows here, stop
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -339,10 +349,10 @@ def main() -> None:
             rows += measured
     if not rows:
         raise SystemExit("nothing was measured: every link was skipped and --no-loopback was given")
-    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
+    path = write_json(args.results, {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
                                     "link_targets": LINK_TARGETS, "rows": rows, "skipped": skipped})
-    plot(rows, str(RESULTS / "broadcast.png"))
-    print(f"wrote {path} and {RESULTS / 'broadcast.png'}")
+    plot(rows, str(RESULTS / f"{args.results}.png"))
+    print(f"wrote {path} and {RESULTS / args.results}.png")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Sharded trainers: sync time with every rank sending the buckets it owns (spread) vs. everything
 through rank 0 (funnel), and the memory each rank's sync allocates, per mode.
 
-    python -m benchmarks.sharded [--versions 5] [--link-gbit 8]
+    python -m benchmarks.sharded [--versions 5]
 
 For trainer_ranks 1 and 2 (spawned CPU ranks, gloo, the policy ``fully_shard``-ed over them with
 FSDP2), two reference servers: each row has ``sync_s`` (median blocking ``publish``, spread),
 ``funnel_sync_s`` (the same with ``funnel: true``), ``spread_vs_funnel`` (funnel / spread: above 1
 means spreading is faster) and ``extra_bytes_per_rank`` (the most any rank allocated, on the device
 and in host memory) for blocking, async with ``snapshot: device`` and async with ``snapshot: host``.
-Writes benchmarks/results/sharded.{json,png} (with ``--link-gbit``, inside an emulated link:
-``benchmarks.netns``, the same file names with ``_link``).
+Writes benchmarks/results/sharded.{json,png}.
 
-On one host every rank shares the same cores and the same loopback (or the one emulated link), so
+On one host every rank shares the same cores and the same loopback, so
 spreading cannot use more bandwidth than the funnel: on a cluster each rank has its own NIC. The
 memory figures are the buffers' own bytes and do not depend on the machine.
 """
@@ -19,22 +18,14 @@ memory figures are the buffers' own bytes and do not depend on the machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import multiprocessing as mp
-import os
 import statistics
-import sys
 import time
-import traceback
 from typing import Any
 
-import torch
-
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.protocol.group import free_port
 from asyncsync.receivers.reference.launch import ServerProcess, running
-from benchmarks import netns
+from asyncsync.trainer.local_ranks import run_local_ranks
 from benchmarks.common import RESULTS, write_json
 
 # The GRPO demo's policy shape with fewer experts: ~50 MB, many tensors, few FLOPs.
@@ -44,78 +35,56 @@ MODES = {"blocking": dict(async_weight_update=False), "async_device": dict(async
          "async_host": dict(async_weight_update=True, snapshot="host")}
 
 
-def rank_main(rank: int, world: int, port: int, urls: list[str], versions: int, bucket_bytes: str, queue: Any) -> None:
+def rank_main(rank: int, world: int, urls: list[str], versions: int, bucket_bytes: str) -> dict[str, Any]:
+    """One trainer rank: the blocking sync timed spread and funnel, then each mode's buffers measured."""
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    try:
-        from asyncsync import WeightSync, WeightSyncConfig
+    from asyncsync import WeightSync, WeightSyncConfig
 
-        if world > 1:
-            import torch.distributed as dist
-            from torch.distributed.fsdp import fully_shard
+    model = build_model(MODEL)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
 
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
-        model = build_model(MODEL)
-        if world > 1:
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        version = 1_000_000 * world  # above whatever the servers hold from an earlier row
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    version = 1_000_000 * world  # above whatever the servers hold from an earlier row
 
-        def config(**extra: Any) -> Any:
-            return WeightSyncConfig.from_dict({"servers": urls, "bucket_bytes": bucket_bytes, **extra})
+    def config(**extra: Any) -> Any:
+        return WeightSyncConfig.from_dict({"servers": urls, "bucket_bytes": bucket_bytes, **extra})
 
-        out: dict[str, Any] = {}
-        for label, extra in (("spread", {}), ("funnel", {"funnel": True})):
-            with WeightSync(config(async_weight_update=False, **extra)) as sync:
-                sync.connect(model)
-                times = []
-                for _ in range(versions):
-                    version += 1
-                    t0 = time.perf_counter()
-                    result = sync.publish(model, version)
-                    times.append(time.perf_counter() - t0)
-                    assert result is not None and not result.failures, result
-                out[f"{label}_sync_s"] = statistics.median(times)
-                out["model_bytes"], out["bucket_bytes"] = sync.plan.total_bytes, sync.plan.max_bucket_bytes
-        memory = {}
-        for mode, extra in MODES.items():
-            with WeightSync(config(**extra)) as sync:
-                sync.connect(model)
-                for _ in range(2):  # a real version through every buffer
-                    sync.wait_snapshot()
-                    version += 1
-                    sync.publish(model, version)
-                memory[mode] = {"device": sync.buffer_bytes, "host": sync.host_buffer_bytes}
-            assert not sync.errors, sync.errors
-        out["memory"] = memory
-        queue.put((rank, out, None))
-    except BaseException:
-        queue.put((rank, {}, traceback.format_exc()))
+    out: dict[str, Any] = {}
+    for label, extra in (("spread", {}), ("funnel", {"funnel": True})):
+        with WeightSync(config(async_weight_update=False, **extra)) as sync:
+            sync.connect(model)
+            times = []
+            for _ in range(versions):
+                version += 1
+                t0 = time.perf_counter()
+                result = sync.publish(model, version)
+                times.append(time.perf_counter() - t0)
+                assert result is not None and not result.failures, result
+            out[f"{label}_sync_s"] = statistics.median(times)
+            out["model_bytes"], out["bucket_bytes"] = sync.plan.total_bytes, sync.plan.max_bucket_bytes
+    memory = {}
+    for mode, extra in MODES.items():
+        with WeightSync(config(**extra)) as sync:
+            sync.connect(model)
+            for _ in range(2):  # a real version through every buffer
+                sync.wait_snapshot()
+                version += 1
+                sync.publish(model, version)
+            memory[mode] = {"device": sync.buffer_bytes, "host": sync.host_buffer_bytes}
+        assert not sync.errors, sync.errors
+    out["memory"] = memory
+    return out
 
 
 def run_world(world: int, urls: list[str], versions: int, bucket_bytes: str) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, urls, versions, bucket_bytes, queue), daemon=True)
-             for r in range(world)]
-    reports = {}
-    try:
-        for p in procs:
-            p.start()
-        for _ in procs:
-            rank, out, error = queue.get(timeout=1800)
-            if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            reports[rank] = out
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    outcomes = run_local_ranks(rank_main, world, (urls, versions, bucket_bytes))
+    for o in outcomes:
+        if o.error is not None or o.exitcode != 0:
+            raise RuntimeError(f"rank {o.rank} failed (exit code {o.exitcode}):\n{o.error}")
+    reports = {o.rank: o.value for o in outcomes}
     lead = reports[0]
     extra = {mode: {kind: max(r["memory"][mode][kind] for r in reports.values()) for kind in ("device", "host")}
              for mode in MODES}
@@ -140,8 +109,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax1.bar_label(bars, fmt="%.0f", fontsize=8)
     ax1.set_xticks(list(x), [f"{r['trainer_ranks']} rank(s)" for r in rows])
     ax1.set_ylabel("blocking sync, ms (median)")
-    link = f"{results['link_gbit']:g} gbit/s emulated link" if results["link_gbit"] else "loopback"
-    ax1.set_title(f"{rows[0]['model_bytes'] / 1e6:.0f} MB to 2 servers, {link}")
+    ax1.set_title(f"{rows[0]['model_bytes'] / 1e6:.0f} MB to 2 servers, loopback")
     ax1.legend(fontsize=8)
     modes = list(MODES)
     width = 0.8 / len(rows)
@@ -165,18 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versions", type=int, default=5, help="blocking versions timed per row and mode")
     parser.add_argument("--bucket-bytes", default="4MiB")
-    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns)")
-    parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.link_gbit and not args.on_link:
-        link = netns.Link(args.link_gbit)
-        done = netns.run(link, [sys.executable, "-m", "benchmarks.sharded", *sys.argv[1:], "--on-link"])
-        if done.skipped is not None:
-            print(f"skipped: cannot emulate a {link.describe()} link here: {done.skipped}")
-            return
-        sys.exit(done.returncode)
-    name = "sharded_link" if args.link_gbit else "sharded"
+    name = "sharded"
     rows = []
     with running([ServerProcess(build_model, (MODEL,), start_timeout_s=300) for _ in range(2)]) as servers:
         urls = [s.url for s in servers]
@@ -188,7 +147,7 @@ def main() -> None:
             print(f"trainer_ranks {world}: sync {row['sync_s'] * 1e3:.0f} ms spread, {row['funnel_sync_s'] * 1e3:.0f} ms "
                   f"funnel ({row['spread_vs_funnel']:.2f}x); model {row['model_bytes'] / 1e6:.1f} MB, bucket "
                   f"{row['bucket_bytes'] / 1e6:.1f} MB; per rank: {mem}", flush=True)
-    results = {"rows": rows, "link_gbit": args.link_gbit, "bucket_bytes_config": args.bucket_bytes,
+    results = {"rows": rows, "bucket_bytes_config": args.bucket_bytes,
                "note": "one host: every rank shares the cores and the link, so spreading cannot add bandwidth here"}
     write_json(name, results)
     plot(results, str(RESULTS / f"{name}.png"))

@@ -1,17 +1,15 @@
 """The trainer ranks of tests/test_sharded.py: each a spawned process running one rank of a gloo world.
 
-``run_rank`` runs the scenarios it is given, in order, on one process group, and puts one report per
-rank on the queue: what each scenario measured, or the traceback that ended the rank. Every check that
-needs the servers runs on rank 0 (the ranks' views are compared with the servers' digests there).
+``run_scenarios`` runs the scenarios it is given, in order, on one process group, and returns what
+each measured (``run_local_ranks`` reports it, or the traceback that ended the rank). Every check
+that needs the servers runs on rank 0 (the ranks' views are compared with the servers' digests there).
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -205,26 +203,18 @@ def rank_exits(rank: int, urls: list[str], trainer: Trainer, version: int, async
     return dict(error=error, took_s=took, errors=sync.errors)
 
 
-def run_rank(rank: int, world: int, port: int, urls: list[str], scenarios: list[tuple[str, dict[str, Any]]],
-             queue: Any) -> None:
+def run_scenarios(rank: int, world: int, urls: list[str], scenarios: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One rank (``asyncsync.trainer.local_ranks`` made the world): the scenarios, in order; what each measured."""
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    try:
-        import torch.distributed as dist
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        trainer = Trainer(world)
-        for name, kw in scenarios:
-            if name == "train":
-                out[kw["label"]] = train_and_sync(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
-            elif name == "mesh_2d":
-                out[name] = mesh_2d(rank, world, urls, kw["version"])
-            elif name == "rank_exits":
-                out[name] = rank_exits(rank, urls, trainer, kw["version"], kw["async_mode"])
-        queue.put((rank, out, None))
-    except BaseException:
-        queue.put((rank, out, traceback.format_exc()))
+    trainer = Trainer(world)
+    for name, kw in scenarios:
+        if name == "train":
+            out[kw["label"]] = train_and_sync(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
+        elif name == "mesh_2d":
+            out[name] = mesh_2d(rank, world, urls, kw["version"])
+        elif name == "rank_exits":
+            out[name] = rank_exits(rank, urls, trainer, kw["version"], kw["async_mode"])
+    return out

@@ -6,15 +6,13 @@ The ranks run tests/sharded_ranks.py; every check against the servers runs on ra
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue as queue_module
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from asyncsync.protocol.group import free_port
 from asyncsync.testing import ServerProcess, running
+from asyncsync.trainer.local_ranks import RankOutcome, run_local_ranks
 
 import sharded_ranks
 from sharded_ranks import moe_config
@@ -30,34 +28,16 @@ def moe_servers() -> Iterator[list[ServerProcess]]:
         yield servers
 
 
-def run_ranks(urls: list[str], scenarios: list[tuple[str, dict[str, Any]]], timeout_s: float = 300) -> list[dict[str, Any]]:
-    """Every rank's report (rank order); fails with a rank's traceback. Every rank is joined or killed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=sharded_ranks.run_rank, args=(r, WORLD, port, urls, scenarios, results), daemon=True)
-             for r in range(WORLD)]
-    reports: dict[int, dict[str, Any]] = {}
-    errors: dict[int, str] = {}
-    try:
-        for p in procs:
-            p.start()
-        for _ in procs:
-            try:
-                rank, out, error = results.get(timeout=timeout_s)
-            except queue_module.Empty:
-                break
-            reports[rank] = out
-            if error:
-                errors[rank] = error
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    return [reports.get(r, {}) for r in range(WORLD)]
+def run_ranks(urls: list[str], scenarios: list[tuple[str, dict[str, Any]]]) -> list[RankOutcome]:
+    """Every rank's outcome, in rank order (every rank joined or killed by ``run_local_ranks``)."""
+    return run_local_ranks(sharded_ranks.run_scenarios, WORLD, (urls, scenarios), timeout_s=600)
+
+
+def reports(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
+    """What each rank measured; fails with any rank's traceback."""
+    assert all(o.error is None and o.exitcode == 0 for o in outcomes), "\n".join(
+        f"rank {o.rank} (exit code {o.exitcode}):\n{o.error}" for o in outcomes)
+    return [o.value for o in outcomes]
 
 
 def test_every_rank_publishes_and_servers_get_the_unsharded_model_bit_exactly(moe_servers):
@@ -72,8 +52,7 @@ def test_every_rank_publishes_and_servers_get_the_unsharded_model_bit_exactly(mo
         ("train", dict(label="funnel", first=9, versions=2, async_weight_update=False, funnel=True)),
         ("mesh_2d", dict(version=11)),
     ]
-    reports = run_ranks(urls, scenarios)
-    for rank, report in enumerate(reports):
+    for rank, report in enumerate(reports(run_ranks(urls, scenarios))):
         for label in ("blocking", "async_device", "async_host", "funnel"):
             m = report[label]
             bucket, local = m["bucket_bytes"], m["local_bytes"]
@@ -94,27 +73,10 @@ def test_a_rank_that_dies_mid_sync_ends_in_a_clear_error_and_servers_keep_the_la
     from asyncsync.models import build_model
 
     with running([ServerProcess(build_model, (moe_config(),)) for _ in range(2)]) as servers:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        port = free_port()
-        urls = [s.url for s in servers]
-        scenarios = [("rank_exits", dict(version=1, async_mode=async_mode))]
-        procs = [ctx.Process(target=sharded_ranks.run_rank, args=(r, WORLD, port, urls, scenarios, results), daemon=True)
-                 for r in range(WORLD)]
-        try:
-            for p in procs:
-                p.start()
-            rank, out, error = results.get(timeout=300)
-            assert rank == 0 and error is None, error
-            procs[1].join(30)
-            assert procs[1].exitcode == 3, "rank 1 exited half-way through the version"
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        report = out["rank_exits"]
+        first, second = run_ranks([s.url for s in servers], [("rank_exits", dict(version=1, async_mode=async_mode))])
+        assert first.error is None and first.exitcode == 0, first.error
+        assert second.exitcode == 3 and second.value is None, "rank 1 exited half-way through the version"
+        report = first.value["rank_exits"]
         assert "trainer rank 0" in report["error"] and "a rank died or hung" in report["error"], report
         assert report["took_s"] < 60, report
         for server in servers:

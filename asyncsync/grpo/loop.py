@@ -181,64 +181,22 @@ def _from_rank_0(obj: Any, world: int) -> Any:
 
 
 def _train_on_ranks(cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool) -> RunSummary:
-    """Spawn ``cfg.trainer_ranks`` ranks (gloo on loopback) and return rank 0's summary; every rank is
-    joined, or killed once rank 0 reported (or failed)."""
-    import multiprocessing as mp
-    import queue as queue_module
+    """``cfg.trainer_ranks`` spawned ranks (gloo on loopback); rank 0's summary."""
+    from asyncsync.trainer.local_ranks import run_local_ranks
 
-    from asyncsync.protocol.group import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    level = logging.getLogger().level
-    procs = [ctx.Process(target=_rank_main, args=(cfg, servers, progress, r, port, results, level), daemon=True)
-             for r in range(cfg.trainer_ranks)]
-    try:
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                summary, error = results.get(timeout=1.0)
-                break
-            except queue_module.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a trainer rank exited: " + ", ".join(
-                        f"rank {r} with code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)))
-        if error is not None:
-            raise RuntimeError(f"trainer rank 0 failed:\n{error}")
-        return summary
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    outcomes = run_local_ranks(_train_rank, cfg.trainer_ranks, (cfg, servers, progress, logging.getLogger().level))
+    failed = [o for o in outcomes if o.error is not None or o.exitcode != 0]
+    if failed:
+        raise RuntimeError("trainer rank(s) failed: " + "; ".join(
+            f"rank {o.rank} (exit code {o.exitcode}):\n{o.error or 'no report'}" for o in failed))
+    return outcomes[0].value
 
 
-def _rank_main(cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool, rank: int, port: int,
-               results: Any, level: int) -> None:
-    import datetime
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
+def _train_rank(rank: int, world: int, cfg: GRPOConfig, servers: tuple[ServerConfig, ...], progress: bool,
+                level: int) -> RunSummary:
     logging.basicConfig(level=max(level, logging.WARNING) if rank else level,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.trainer_ranks, timeout=datetime.timedelta(minutes=10))
-    try:
-        summary = _train(cfg, servers, progress, rank=rank, world=cfg.trainer_ranks)
-        if rank == 0:
-            results.put((summary, None))
-    except BaseException:
-        if rank == 0:
-            results.put((None, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+    return _train(cfg, servers, progress, rank=rank, world=world)
 
 
 def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,

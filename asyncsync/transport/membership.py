@@ -111,7 +111,7 @@ class Membership:
                 who = ("another WeightSync of this process, never closed, still holds these servers: close() it first"
                        if any(this_process in c for c in members.conflicts.values()) else
                        "another trainer process already syncs these servers; run one trainer per set of servers "
-                       "(with FSDP or any multi-rank trainer, call connect() and publish() on one rank only)")
+                       "(a multi-rank trainer: every rank calls the same WeightSync, with trainer_ranks: auto, never one each)")
                 raise TrainerConflict(f"{who}: " + "; ".join(members.conflicts.values()))
             if not members.members:
                 raise SyncError("no server could join the data plane: " + "; ".join(members.evicted.values()))

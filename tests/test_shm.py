@@ -119,6 +119,24 @@ def test_local_and_remote_servers_mix_in_one_version():
             assert sync.publish(model, 3).server_versions == {a.url: 3, b.url: 3}
 
 
+def test_a_same_host_sglang_server_gets_the_collective_and_shm_refuses_it():
+    """SGLang's same-host path (``update_weights_from_tensor``) is not done: under ``auto`` a
+    same-host server addressed as ``kind: sglang`` (the reference server's SGLang API) gets the
+    data-plane broadcast, and ``transport: shm`` refuses it at connect, before claiming it."""
+    model = mixed_dtype_model(TINY)
+    server = ReferenceServer(mixed_dtype_model(TINY))
+    with ThreadedServer(server) as ts:
+        servers = [{"url": ts.url, "kind": "sglang"}]
+        with pytest.raises(UnsupportedServer, match="sglang server cannot receive through shared memory"):
+            WeightSync(config(servers, transport="shm")).connect(model)
+        with WeightSync(config(servers)) as sync:
+            sync.connect(model)
+            assert sync._members[0].shared == set() and sync._members[0].group is not None
+            weights(model, 1)
+            assert sync.publish(model, 1).server_versions == {ts.url: 1}
+            assert digest(server.model) == digest(model)
+
+
 def test_transport_is_validated():
     with pytest.raises(ConfigError, match="transport: 'tcp' is not one of"):
         config(["http://127.0.0.1:1"], transport="tcp")

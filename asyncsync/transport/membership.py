@@ -219,6 +219,14 @@ class Membership:
                                                         "process; use transport: auto or collective")
             return set()
         here = HostIdentity.here()
+        for e in engines if cfg.transport == "shm" else ():
+            if not e.protocol.shared_memory:  # SGLang: its update_weights_from_tensor path is not done
+                error = UnsupportedServer(e.url, f"a {e.kind} server cannot receive through shared memory; use "
+                                                 "transport: auto (it then gets the collective) or collective")
+                if refuse:
+                    raise error
+                self.evict(e.url, str(error))
+        engines = [e for e in engines if e.protocol.shared_memory]
         hosts = self.call_all(engines, lambda e: e.host_identity(), "host")
         shared = set()
         for e in engines:

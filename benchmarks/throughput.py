@@ -59,10 +59,12 @@ def run(cfg: GRPOConfig, mode: str) -> RunSummary:
 
 
 def transport(cfg: GRPOConfig) -> str:
-    """How the setting's versions travel: the embedded servers are on this host (shared memory under
-    auto); vLLM's client cannot tell its host, so auto sends to it over the collective."""
+    """How the setting's versions travel: the embedded reference servers are on this host (shared
+    memory under auto, for a single trainer process); vLLM's client cannot tell its host and SGLang's
+    has no shared-memory path, so auto sends to them over the collective."""
     ws = cfg.weight_sync
-    if ws.transport == "collective" or (ws.transport == "auto" and any(s.kind == "vllm" for s in ws.servers)):
+    if ws.transport == "collective" or cfg.trainer_ranks > 1 or (
+            ws.transport == "auto" and any(s.kind != "reference" for s in ws.servers)):
         return "collective"
     return "shm"
 

@@ -174,7 +174,7 @@ class BucketStager:
 
         Without an arena the staged buffers are views of the mapping itself (zero copy: once
         committed and ``mark_live``, ``holds`` names the segment until a later version replaces it);
-        with one, each bucket is copied into the arena and the mapping is dropped at once."""
+        with one, each bucket is copied into the arena, and the copy is what is checksummed."""
         shm = req.shm
         assert shm is not None, "adopt() is for requests that name a shared version"
         if self.runtime.kind != "host":

@@ -150,3 +150,15 @@ def test_learning_raises_the_reward():
                                  "policy.intermediate_size=128"])
     summary = run_grpo(cfg)
     assert summary.reward_last > summary.reward_first + 0.2, [round(r.reward, 2) for r in summary.records]
+
+
+def test_the_demo_trains_on_two_fsdp_ranks():
+    """trainer_ranks=2: the policy is fully_shard-ed over 2 spawned ranks, every rank publishes, and
+    every version reaches the servers (published = sent + superseded) within max_staleness."""
+    cfg = GRPOConfig.load(DEMO, FAST + ["trainer_ranks=2"])
+    summary = run_grpo(cfg)
+    assert summary.steps == 3 and summary.mode == "async"
+    assert summary.max_version_lag <= cfg.weight_sync.max_staleness
+    assert summary.sync_metrics["published"] == 3
+    assert summary.sync_metrics["sent"] + summary.sync_metrics["superseded"] == 3
+    assert summary.sync_metrics["failed"] == 0 and summary.sync_metrics["sent"] >= 1

@@ -164,6 +164,7 @@ class Membership:
         claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
         alive = self._drop_unreachable(alive, claims)
         token = self.session.rsplit(":", 1)[-1]
+        retried = False
         while alive:
             self.epoch += 1
             wired = [e for e in alive if e.url not in self.shared]
@@ -172,6 +173,7 @@ class Membership:
                 self.members = alive
                 log.info("epoch %d: %d server(s) on shared memory, no data-plane group", self.epoch, len(alive))
                 break
+            port_taken = False
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
@@ -183,6 +185,7 @@ class Membership:
             except DataPlaneError as e:
                 log.warning("epoch %d: forming the groups failed: %s", self.epoch, e)
                 group = None
+                port_taken = "EADDRINUSE" in str(e)
             answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
             still = self._drop_unreachable(wired, answers)
             formed = all(self.ranks.gather_objects(group is not None) or [])
@@ -194,7 +197,10 @@ class Membership:
                 break
             if group is not None:
                 group.close(broken=True)
-            if len(still) == len(wired):  # everyone answered yet the group did not form: give up this round
+            if len(still) == len(wired):  # everyone answered yet the group did not form
+                if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
+                    retried = True
+                    continue
                 for e in wired:
                     self.evict(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
                 still = []

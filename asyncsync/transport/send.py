@@ -48,7 +48,11 @@ class BucketSource(Protocol):
     bucket's broadcast finished, so a buffer is never rewritten while it is on the wire. ``checksum``
     is asked for right after the bucket's broadcast was started (a checksum not fused into packing is
     then taken while the bytes are on the wire): the CRC32C of exactly those bytes, as an int or a
-    0-dim device tensor, or None without checksums."""
+    0-dim device tensor, or None without checksums.
+
+    A sharded trainer's source (``trainer.shards.ShardedSource``) also names each bucket's ``owner``
+    rank: only the owner asks for ``bucket`` (which receives the other ranks' pieces), every other
+    rank calls ``contribute(bucket)`` (sends its pieces to the owner) at the same point instead."""
 
     def reuses(self, bucket: Bucket) -> int | None: ...
 

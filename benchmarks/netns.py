@@ -157,6 +157,20 @@ def shape(link: Link) -> None:
             raise LinkUnavailable(f"'{' '.join(step)}' failed: {err}")
 
 
+def rerun_on_link(module: str, link_gbit: float | None, on_link: bool) -> None:
+    """A benchmark's ``--link-gbit`` option: outside a link, run ``python -m module`` again with the
+    same arguments plus ``--on-link`` inside one, and exit with its code (exit 0 after printing
+    ``skipped: ...`` when no link can be made); inside one, or without ``--link-gbit``, return."""
+    if not link_gbit or on_link:
+        return
+    link = Link(link_gbit)
+    done = run(link, [sys.executable, "-m", module, *sys.argv[1:], "--on-link"])
+    if done.skipped is not None:
+        print(f"skipped: cannot emulate a {link.describe()} link here: {done.skipped}")
+        sys.exit(0)
+    sys.exit(done.returncode)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link-gbit", type=float, required=True, help="link rate, gigabits per second")

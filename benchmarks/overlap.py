@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -166,13 +165,7 @@ def main() -> None:
     parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)  # already inside the namespace
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.link_gbit and not args.on_link:
-        link = netns.Link(args.link_gbit)
-        done = netns.run(link, [sys.executable, "-m", "benchmarks.overlap", *sys.argv[1:], "--on-link"])
-        if done.skipped is not None:
-            print(f"skipped: cannot emulate a {link.describe()} link here: {done.skipped}")
-            return
-        sys.exit(done.returncode)
+    netns.rerun_on_link("benchmarks.overlap", args.link_gbit, args.on_link)
     name = "overlap_link" if args.link_gbit else "overlap"
     torch.set_num_threads(1)
     servers = [ServerProcess(build_model, (MODEL,), start_timeout_s=300) for _ in range(2)]

@@ -54,6 +54,7 @@ from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.background import lower_thread_priority
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.vllm.launch import VllmServer
+from benchmarks import netns
 from benchmarks.common import RESULTS, write_json
 
 log = logging.getLogger("benchmarks.stall")
@@ -393,8 +394,13 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", default="64MiB")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--skip", choices=["reference", "vllm"], action="append", default=[])
+    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns): "
+                                                        "writes stall_link.{json,png}")
+    parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)  # already inside the namespace
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    netns.rerun_on_link("benchmarks.stall", args.link_gbit, args.on_link)
+    name = "stall_link" if args.link_gbit else "stall"
     torch.set_num_threads(1)
 
     rows: list[dict[str, Any]] = []
@@ -411,11 +417,11 @@ def main() -> None:
             rows += vllm
     for row in rows:
         print(summary(row))
-    settings = {k: v for k, v in vars(args).items() if k != "vllm_python"}
-    out = write_json("stall", {"model": MODEL.to_dict(), "settings": settings, "rows": rows,
-                               "vllm_worker_log": worker_log})
-    plot(rows, RESULTS / "stall.png")
-    print(f"wrote {out} and {RESULTS / 'stall.png'}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("vllm_python", "on_link")}
+    out = write_json(name, {"model": MODEL.to_dict(), "settings": settings, "link_gbit": args.link_gbit, "rows": rows,
+                            "vllm_worker_log": worker_log})
+    plot(rows, RESULTS / f"{name}.png")
+    print(f"wrote {out} and {RESULTS / f'{name}.png'}")
 
 
 if __name__ == "__main__":

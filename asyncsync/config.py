@@ -17,6 +17,7 @@ from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
 from asyncsync.protocol.wire import RECEIVE_MODES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
+TRANSPORTS = ("auto", "collective", "shm")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -134,8 +135,12 @@ class WeightSyncConfig:
     trainer_ranks: str | int = "auto"
     funnel: bool = False
     snapshot: str = "device"
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
+                              "servers on this host, the data-plane group for the others)")
         if not isinstance(self.async_weight_update, bool):
             raise ConfigError(f"async_weight_update: expected true or false, got {self.async_weight_update!r}")
         if not isinstance(self.group_per_server, bool):

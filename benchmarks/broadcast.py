@@ -5,7 +5,11 @@ receivers it measures, side by side:
   - raw flat:    one broadcast of a single flat buffer of the same bytes (the wire's ceiling);
   - per tensor:  one broadcast per tensor (what a naive sync does);
   - asyncsync:   WeightSync.publish to reference servers: plan, pack, checksum, broadcast, verify,
-                 stage and swap in on every server, HTTP control included.
+                 stage and swap in on every server, HTTP control included (``transport: collective``);
+  - shm:         (plain loopback only; rows with ``transport: "shm"``) the same publish to the same
+                 servers through shared memory (``transport: shm``): packed into a segment, mapped,
+                 verified and adopted by every server, no socket copy; ``shm_vs_flat`` is the raw flat
+                 broadcast's time over the shm sync's, from rounds interleaved with it.
 All three on gloo, interleaved round by round (flat, per tensor, sync, repeat) so each ratio
 compares runs that saw the same machine, in two regimes:
   - plain loopback (rows with ``link_gbit: null``): the wire is a kernel memcpy on the same cores
@@ -55,7 +59,7 @@ QWEN2_05B_HALF = ModelConfig(
 
 # On plain loopback the wire is a memcpy on the cores that also pack and verify (CPU contention);
 # on an emulated link the wire is the bottleneck, as on a cluster.
-TARGETS = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0}
+TARGETS = {"sync_vs_flat": 0.9, "sync_vs_per_tensor": 2.0, "shm_vs_flat": 3.0}
 LINK_TARGETS = {"sync_vs_flat": 0.95, "sync_vs_flat_at_gbit": [4.0, 8.0],
                 "sync_vs_per_tensor": 2.0, "sync_vs_per_tensor_at_delay_us": 25.0}
 # Rounds of each block not measured: a receiver allocates its two buffer sets (the one it serves
@@ -64,8 +68,10 @@ WARMUP_ROUNDS = 2
 LINK_RUN_TIMEOUT_S = 1200.0  # one link's rows: model, servers and every round, with room to spare
 
 
-def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int) -> None:
-    """A plain receiver: per round, one flat broadcast then one broadcast per tensor."""
+def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], rounds: int,
+                  flat_rounds: int) -> None:
+    """A plain receiver: per round, one flat broadcast then one broadcast per tensor; then
+    ``flat_rounds`` flat broadcasts alone (the shared-memory block's)."""
     torch.set_num_threads(1)
     group = DataPlaneGroup.join(spec, rank, HostRuntime())
     flat = torch.empty(sum(torch.empty(s, dtype=d).nbytes for d, s in shapes), dtype=torch.uint8)
@@ -75,6 +81,9 @@ def _raw_receiver(spec: GroupSpec, rank: int, shapes: list[tuple[torch.dtype, tu
         group.barrier()
         for t in tensors:
             group.broadcast(t)
+        group.barrier()
+    for _ in range(flat_rounds):
+        group.broadcast(flat)
         group.barrier()
     group.close()
 
@@ -90,7 +99,7 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
     shapes = [(t.dtype, tuple(t.shape)) for t in named.values()]
     rounds = repeats + WARMUP_ROUNDS
     ctx = mp.get_context("spawn")
-    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, rounds * len(bucket_sizes)), daemon=True)
+    raw = [ctx.Process(target=_raw_receiver, args=(spec, r, shapes, rounds * len(bucket_sizes), rounds), daemon=True)
            for r in range(1, receivers + 1)]
     servers = [ServerProcess(build_model, (QWEN2_05B_HALF,), start_timeout_s=300) for _ in range(receivers)]
     try:
@@ -101,15 +110,14 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
         blocks, version = [], 0
         with running(servers):
             for bucket_bytes in bucket_sizes:
-                cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
+                cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes,
+                                                  "transport": "collective"})
                 with WeightSync(cfg) as sync:
                     sync.connect(model)
                     times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
                     for round_ in range(rounds):
                         t0 = time.perf_counter()
-                        group.broadcast(flat)
-                        group.barrier()
-                        t1 = time.perf_counter()
+                        t1 = t0 + timed_flat(group, flat)
                         for t in named.values():
                             group.broadcast(t)
                         group.barrier()
@@ -126,11 +134,13 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                                  pack_backend=sync.pack_backend,
                                  last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
                     blocks.append(block)
+            shm = _shm_block(group, flat, model, servers, bucket_sizes[0], rounds, version)
         group.close()
         main = blocks[0]
         out = {k: main[k] for k in ("flat_s", "per_tensor_s", "sync_s", "buckets", "pack_backend", "last")}
         out["bucket_sweep"] = [{k: b[k] for k in ("bucket_bytes", "buckets", "buffer_bytes", "flat_s", "sync_s")}
                                | {"sync_vs_flat": b["flat_s"] / b["sync_s"]} for b in blocks]
+        out["shm"] = shm
         return out
     finally:
         for p in raw:
@@ -139,11 +149,58 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                 p.kill()
 
 
+def timed_flat(group: DataPlaneGroup, flat: torch.Tensor) -> float:
+    """Seconds for one raw broadcast of ``flat`` to every receiver (until all of them have it)."""
+    t0 = time.perf_counter()
+    group.broadcast(flat)
+    group.barrier()
+    return time.perf_counter() - t0
+
+
+def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module, servers: list[ServerProcess],
+               bucket_bytes: int, rounds: int, version: int) -> dict[str, Any]:
+    """Rounds of (raw flat broadcast, blocking sync through shared memory) to the same servers; the
+    raw receivers take part in the flat broadcasts as in every other block."""
+    cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes, "transport": "shm"})
+    times: dict[str, list[float]] = {"flat_s": [], "sync_s": [], "pack_s": [], "transfer_s": []}
+    with WeightSync(cfg) as sync:
+        sync.connect(model)
+        for round_ in range(rounds):
+            flat_s = timed_flat(group, flat)
+            version += 1
+            t0 = time.perf_counter()
+            last = sync.publish(model, version)
+            sync_s = time.perf_counter() - t0
+            assert last is not None and len(last.server_versions) == len(servers), last and last.failures
+            if round_ >= WARMUP_ROUNDS:
+                times["flat_s"].append(flat_s)
+                times["sync_s"].append(sync_s)
+                times["pack_s"].append(last.pack_s)
+                times["transfer_s"].append(sync_s - last.pack_s)
+        shm_bytes = sync.buffer_bytes
+    block: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
+    return block | {"bucket_bytes": bucket_bytes, "shm_bytes": shm_bytes,
+                    "last": {"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s}}
+
+
+def shm_row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any]) -> dict[str, Any]:
+    """The shared-memory row measured beside a loopback row. ``shm_vs_flat``: the raw flat broadcast's
+    time over the whole blocking publish (packing the live weights into the segment included, which
+    the flat broadcast, sending a buffer already flat, does not pay); ``shm_transfer_vs_flat``: over
+    the publish less that packing (``transfer_s``: from a packed version to every server serving it)."""
+    s = m["shm"]
+    return {"transport": "shm", "receivers": receivers, "link_gbit": None, "link_delay_us": 0.0, "model_mb": nbytes / 1e6,
+            "tensors": tensors, "bucket_bytes": s["bucket_bytes"], "flat_s": s["flat_s"], "sync_s": s["sync_s"],
+            "flat_gbps": nbytes / s["flat_s"] / 1e9, "sync_gbps": nbytes / s["sync_s"] / 1e9,
+            "pack_s": s["pack_s"], "transfer_s": s["transfer_s"], "shm_vs_flat": s["flat_s"] / s["sync_s"],
+            "shm_transfer_vs_flat": s["flat_s"] / s["transfer_s"], "shm_bytes": s["shm_bytes"], "last": s["last"]}
+
+
 def row(receivers: int, nbytes: int, tensors: int, m: dict[str, Any], link: Link | None) -> dict[str, Any]:
     """One row of the results: the measured seconds, GB/s and the two ratios, and the link they crossed."""
     return {
-        "receivers": receivers, "link_gbit": link.gbit if link else None, "link_delay_us": link.delay_us if link else 0.0,
-        "model_mb": nbytes / 1e6, "tensors": tensors, **m,
+        "transport": "collective", "receivers": receivers, "link_gbit": link.gbit if link else None, "link_delay_us": link.delay_us if link else 0.0,
+        "model_mb": nbytes / 1e6, "tensors": tensors, **{k: v for k, v in m.items() if k != "shm"},
         "flat_gbps": nbytes / m["flat_s"] / 1e9, "per_tensor_gbps": nbytes / m["per_tensor_s"] / 1e9,
         "sync_gbps": nbytes / m["sync_s"] / 1e9,
         "sync_vs_flat": m["flat_s"] / m["sync_s"], "sync_vs_per_tensor": m["per_tensor_s"] / m["sync_s"],
@@ -157,6 +214,11 @@ def where(r: dict[str, Any]) -> str:
 
 
 def report(r: dict[str, Any]) -> None:
+    if r["transport"] == "shm":
+        print(f"[shared memory] {r['receivers']} receiver(s): raw flat {r['flat_s']:.3f}s | asyncsync through shm "
+              f"{r['sync_s']:.3f}s ({r['sync_gbps']:.2f} GB/s; packing {r['pack_s']:.3f}s, then {r['transfer_s']:.3f}s) | "
+              f"shm vs flat {r['shm_vs_flat']:.2f}x ({r['shm_transfer_vs_flat']:.2f}x without the packing)", flush=True)
+        return
     print(f"[{where(r)}] {r['receivers']} receiver(s): {r['model_mb']:.0f} MB, {r['tensors']} tensors, {r['buckets']} buckets | "
           f"raw flat {r['flat_s']:.3f}s ({r['flat_gbps']:.2f} GB/s) | "
           f"per tensor {r['per_tensor_s']:.3f}s ({r['per_tensor_gbps']:.2f} GB/s) | "
@@ -171,7 +233,11 @@ def measure_here(receivers: list[int], repeats: int, bucket_sizes: list[int]) ->
     model = build_model(QWEN2_05B_HALF)
     named = named_tensors(model)
     nbytes = sum(t.nbytes for t in named.values())
-    return [row(n, nbytes, len(named), measure(model, n, repeats, bucket_sizes), None) for n in receivers]
+    rows = []
+    for n in receivers:
+        m = measure(model, n, repeats, bucket_sizes)
+        rows += [row(n, nbytes, len(named), m, None), shm_row(n, nbytes, len(named), m)]
+    return rows
 
 
 def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]] | str:
@@ -188,7 +254,7 @@ def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]
         if done.returncode != 0:
             raise RuntimeError(f"the broadcast benchmark on a {link.describe()} link exited with code {done.returncode}")
         measured = json.loads(out.read_text())
-    return [{**r, "link_gbit": link.gbit, "link_delay_us": link.delay_us} for r in measured]
+    return [{**r, "link_gbit": link.gbit, "link_delay_us": link.delay_us} for r in measured if r["transport"] != "shm"]
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -199,6 +265,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    shm = [r for r in rows if r["transport"] == "shm"]
+    rows = [r for r in rows if r["transport"] != "shm"]
     settings = list(dict.fromkeys(where(r) for r in rows))
     fig, axes = plt.subplots(1, len(settings) + 1, figsize=(4.2 * (len(settings) + 1), 4.2), squeeze=False)
     labels = ["raw flat", "asyncsync sync", "per tensor"]
@@ -209,6 +277,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         for i, (label, key) in enumerate(zip(labels, keys)):
             xs = [r["receivers"] + (i - 1) * width for r in here]
             bars = ax.bar(xs, [r[key] for r in here], width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        if setting == "loopback" and shm:
+            bars = ax.bar([r["receivers"] + 2 * width for r in shm], [r["sync_gbps"] for r in shm], width,
+                          label="asyncsync, shared memory")
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         for r in here:
             if r["link_gbit"] is not None:
@@ -245,6 +317,9 @@ def main() -> None:
     parser.add_argument("--link-delay-us", type=float, nargs="+", default=[0.0, 25.0],
                         help="one-way delays (us) to add on each emulated link (netem); 0: none")
     parser.add_argument("--no-loopback", action="store_true", help="skip the plain-loopback rows")
+    parser.add_argument("--results", default="broadcast",
+                        help="name of the results files (benchmarks/results/NAME.json and .png): a partial run "
+                             "(fewer links, no sweep) under another name leaves the full one in place")
     parser.add_argument("--rows-json", help=argparse.SUPPRESS)  # inside a link: measure, write rows here, stop
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -274,10 +349,10 @@ def main() -> None:
             rows += measured
     if not rows:
         raise SystemExit("nothing was measured: every link was skipped and --no-loopback was given")
-    path = write_json("broadcast", {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
+    path = write_json(args.results, {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "targets": TARGETS,
                                     "link_targets": LINK_TARGETS, "rows": rows, "skipped": skipped})
-    plot(rows, str(RESULTS / "broadcast.png"))
-    print(f"wrote {path} and {RESULTS / 'broadcast.png'}")
+    plot(rows, str(RESULTS / f"{args.results}.png"))
+    print(f"wrote {path} and {RESULTS / args.results}.png")
 
 
 if __name__ == "__main__":

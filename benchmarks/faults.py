@@ -91,7 +91,8 @@ def run_mode(name: str, extra: dict[str, Any], args: argparse.Namespace) -> dict
     watch = VersionWatch(servers)
     try:
         model = build_model(MODEL)
-        cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": "64MiB", **extra})
+        cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": "64MiB",
+                                          "transport": "collective", **extra})  # the data plane's faults
         sync = WeightSync(cfg)
         sync.connect(model)
         steps: list[tuple[float, float]] = []  # (start, duration) per step, time.time()

@@ -65,6 +65,7 @@ def run_mode(mode: str, step_fn: Any, steps: int, servers: list[ServerProcess], 
     if mode != "none":
         cfg = WeightSyncConfig.from_dict({
             "async_weight_update": mode == "async", "servers": [s.url for s in servers], "bucket_bytes": bucket_bytes,
+            "transport": "collective",  # the data plane's overlap (an emulated link too): not shared memory
         })
         sync = WeightSync(cfg)
         sync.connect(model)
@@ -98,7 +99,8 @@ def run_mode(mode: str, step_fn: Any, steps: int, servers: list[ServerProcess], 
 def publish_latency(servers: list[ServerProcess], calls: int, bucket_bytes: str) -> dict[str, float]:
     """Wall time of publish() alone, async mode, over ``calls`` calls (most versions supersede)."""
     model = build_model(MODEL)
-    cfg = WeightSyncConfig.from_dict({"async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": bucket_bytes})
+    cfg = WeightSyncConfig.from_dict({"async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": bucket_bytes,
+                                      "transport": "collective"})
     with WeightSync(cfg) as sync:
         sync.connect(model)
         base = max(sync.server_versions.values())

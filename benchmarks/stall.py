@@ -271,7 +271,7 @@ def drive_syncs(server: str, receive: str, url: str, args: argparse.Namespace) -
     """Warm-up syncs, ``quiet_s`` without syncs, then a sync every ``interval_s``."""
     model = build_model(MODEL)
     cfg = {"servers": [{"url": url, "kind": server, "receive": receive}], "bucket_bytes": args.bucket_bytes,
-           "backend": "gloo"}
+           "backend": "gloo", "transport": "collective"}  # a transfer on the data plane (a link too), not shared memory
     with WeightSync.from_config(cfg) as sync:
         sync.connect(model)
         version = max(sync.server_versions.values())

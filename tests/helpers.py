@@ -130,6 +130,8 @@ class Trainer:
     def __init__(self, config: WeightSyncConfig):
         self.control = ControlLoop()
         self.metrics = SyncMetrics()
+        # The data plane below WeightSync: same-host servers too (tests/test_shm.py covers shared memory).
+        config = config.replace(transport="collective") if config.transport == "auto" else config
         self.members = Membership.connect(config, self.control, self.metrics, HostRuntime())
 
     @property

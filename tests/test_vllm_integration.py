@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -146,6 +148,31 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
     assert result.server_versions == {url: 5}, result.failures
     assert greedy(url) == (seen[-1], 5)
     urllib.request.urlopen(url + "/health", timeout=5).close()
+
+
+def test_vllm_on_the_trainers_host_maps_each_version_from_shared_memory(vllm_server):
+    """``transport: shm``: each version is packed into the trainer's shared memory, and vLLM's worker
+    maps it, verifies it and copies it into its arena (no data-plane group); vLLM then decodes as the
+    trainer does. The segment exists while the trainer is connected and is gone after ``close``."""
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    served = weight_version(url)
+    first = int(served) + 1 if served.isdigit() else 1
+    segments = f"/dev/shm/asyncsync-{os.getpid()}-*"
+    g = torch.Generator().manual_seed(7)
+    with WeightSync.from_config({"servers": [{"url": url, "kind": "vllm"}], "bucket_bytes": "1MiB",
+                                 "transport": "shm"}) as sync:
+        sync.connect(trainer)
+        for version in (first, first + 1):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
+            result = sync.publish(trainer, version)
+            assert result.server_versions == {url: version}, result.failures
+            assert glob.glob(segments), "the version went through the trainer's shared memory"
+            assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
+    assert not glob.glob(segments), "close() removes the trainer's segments"
 
 
 def test_every_rollout_is_generated_by_the_one_version_it_reports(vllm_server):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
+from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
@@ -47,11 +48,12 @@ class DataPlaneProtocol:
     checksum_manifest: bool    # a request with ``checksum`` is followed by the CRC32C manifest broadcast
     single_dtype_buckets: bool  # every bucket must hold tensors of one dtype
     multi_group: bool = False   # a server can join several groups, one per owning trainer rank
+    shared_memory: bool = False  # a same-host server can map a version instead (``UpdateRequest.shm``)
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
 ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
-                                       multi_group=True)
+                                       multi_group=True, shared_memory=True)
 
 
 class EngineClient(ABC):
@@ -61,7 +63,9 @@ class EngineClient(ABC):
 
         n = await client.world_size()                 # data-plane ranks the server contributes
         await client.claim(takeover)                  # the server is this trainer session's (or 423)
-        await client.init_group(spec, rank_offset)    # answered once the server's ranks joined
+        host = await client.host_identity()           # same host as the trainer: shared memory, no group
+        await client.init_group(spec, rank_offset)    # answered once the server's ranks joined (not
+                                                      # for a server on shared memory)
         names = await client.expected_names()         # at connect: the tensor names it loads, or None
         for version in versions:
             await client.begin(version)
@@ -92,6 +96,8 @@ class EngineClient(ABC):
         self.server = server
         self.session = session  # the trainer session this client speaks for (sent with every call)
         self.http = HttpClient(server.base_url, server.token, timeout_s, self.keepalive_s, session=session)
+        # The trainer's shared-memory segments the server still maps, as its last ``end`` answered.
+        self.holds: frozenset[str] = frozenset()
         # Seconds the server held generation to switch to the version of the last successful ``end``
         # (reported by the server or timed by the client), None where neither can tell.
         self.last_switch_s: float | None = None
@@ -122,6 +128,12 @@ class EngineClient(ABC):
 
     async def release(self) -> None:
         """Tell the server this trainer session is done with it (its ``close()``); best effort."""
+
+    async def host_identity(self) -> HostIdentity | None:
+        """Whose shared memory the server sees (``protocol/shm.py``), or None when it cannot tell or
+        cannot receive from shared memory (the default): then it gets the data-plane broadcast, unless
+        the config says ``transport: shm``."""
+        return None
 
     @abstractmethod
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:

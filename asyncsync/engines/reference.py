@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, UpdateRequest, VersionRequest
 from asyncsync.transport.control import ServerError
 
@@ -31,6 +32,14 @@ class ReferenceEngine(EngineClient):
     async def release(self) -> None:
         await self.best_effort(self.http.post("/release"), "release the server")
 
+    async def host_identity(self) -> HostIdentity | None:
+        try:
+            return HostIdentity.from_json((await self.http.get("/host"))["host"])
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            return None  # an older server: the data plane
+
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
         await self.http.post("/init_group", InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json())
 
@@ -46,6 +55,7 @@ class ReferenceEngine(EngineClient):
 
     async def end(self, version: int) -> int:
         out = await self.http.post("/end", VersionRequest(version).to_json())
+        self.holds = frozenset(out.get("holds", ()))
         switch = out.get("switch_s")
         self.last_switch_s = float(switch) if isinstance(switch, (int, float)) else None  # older servers: None
         return int(out["version"])

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncsync.protocol.shm import alive
+
 log = logging.getLogger(__name__)
 
 STORE_PROBE_S = 0.5  # a store that neither accepts nor refuses within this long counts as alive
@@ -38,6 +40,15 @@ OWNER_SAYS = "this server belongs to trainer session"  # a refusal names the own
 
 class OwnedByAnotherTrainer(Exception):
     """A call came from another trainer session than the one that owns the receiver (HTTP 423)."""
+
+
+def local_pid(session: str) -> int | None:
+    """The pid of a trainer session (``host:pid:random``) that runs on this host, else None: a
+    same-host trainer that syncs through shared memory forms no group whose store could be probed."""
+    parts = session.split(":")
+    if len(parts) == 3 and parts[0] == socket.gethostname() and parts[1].isdigit():
+        return int(parts[1])
+    return None
 
 
 def store_reachable(host: str, port: int) -> bool:
@@ -143,6 +154,9 @@ class TrainerOwnership:
             return f"no call for {now - owner.last_seen:.0f}s, past the {self.lease_s:.0f}s lease"
         if owner.store is not None and not self._reachable(*owner.store):
             return f"its rendezvous store {owner.store[0]}:{owner.store[1]} refuses connections"
+        pid = local_pid(owner.session)
+        if pid is not None and not alive(pid):
+            return f"its process {pid} on this host no longer exists"
         return None
 
     def _refusal(self, owner: _Owner, session: str, now: float) -> str:

@@ -20,6 +20,7 @@ import torch
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup
+from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
 from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest, WireError
 
@@ -42,11 +43,13 @@ class StagedVersion:
     buffers: tuple[torch.Tensor, ...]
     buckets: tuple[Bucket, ...]
     views: tuple[tuple[str, torch.Tensor], ...]
+    segment: str | None = None  # the trainer's shared-memory segment the buffers map (zero-copy adoption)
 
     @classmethod
-    def of(cls, version: int, buffers: tuple[torch.Tensor, ...], buckets: tuple[Bucket, ...]) -> StagedVersion:
+    def of(cls, version: int, buffers: tuple[torch.Tensor, ...], buckets: tuple[Bucket, ...],
+           segment: str | None = None) -> StagedVersion:
         views = tuple(v for buf, bucket in zip(buffers, buckets) for v in unpack(buf, bucket))
-        return cls(version, buffers, buckets, views)
+        return cls(version, buffers, buckets, views, segment)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor's view, in broadcast order."""
@@ -67,7 +70,8 @@ class BucketStager:
 
     Two ways in, one way out::
 
-        staged = stager.receive(request, served)    # a whole version (asyncsync's protocol)
+        staged = stager.receive(request, served)    # a whole version (asyncsync's protocol; from the
+                                                     # trainer's shared memory when request.shm: adopt)
         # or, one bucket per call (SGLang's protocol):
         stager.receive_bucket(meta); ...; staged = stager.seal(version, served)
         apply(staged.tensors())                      # the receiver's business
@@ -90,6 +94,8 @@ class BucketStager:
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
+        self._live_segment: str | None = None  # the shared-memory segment the live weights map, if any
+        self._mappings: dict[str, torch.Tensor] = {}  # segment -> its mapping (the live one and the last adopted)
         self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
         self._partial_problems: list[str] = []
 
@@ -125,7 +131,10 @@ class BucketStager:
 
     def receive(self, req: UpdateRequest, served_version: int) -> StagedVersion:
         """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
-        ``VersionRejected`` after the last broadcast if anything is wrong."""
+        ``VersionRejected`` after the last broadcast if anything is wrong. With ``req.shm`` the
+        version is mapped from the trainer's shared memory instead (``adopt``): no group is needed."""
+        if req.shm is not None:
+            return self.adopt(req, served_version)
         group = self._require_group()
         self.discard()
         if req.sources and max(req.sources) >= len(self.groups):
@@ -158,6 +167,57 @@ class BucketStager:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")
         _reject_if(problems, req.version)
         return staged
+
+    def adopt(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+        """A whole version from the trainer's shared memory (``req.shm``, ``protocol/shm.py``), judged
+        as ``receive`` judges one from the wire; raises ``VersionRejected`` if anything is wrong.
+
+        Without an arena the staged buffers are views of the mapping itself (zero copy: once
+        committed and ``mark_live``, ``holds`` names the segment until a later version replaces it);
+        with one, each bucket is copied into the arena, and the copy is what is checksummed."""
+        shm = req.shm
+        assert shm is not None, "adopt() is for requests that name a shared version"
+        if self.runtime.kind != "host":
+            raise VersionRejected(f"version {req.version} rejected: this server's weights are on {self.runtime.device}; "
+                                  "a shared-memory version is for host weights (use transport: collective)")
+        if shm.host != HostIdentity.here():
+            raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
+                                  f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
+        buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
+        problems = self._check_specs([s for b in buckets for s in b.specs], set())
+        problems += self._check_complete(list(buckets), req.version, served_version)
+        _reject_if(problems, req.version)
+        try:
+            mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
+        except ShmUnavailable as e:
+            raise VersionRejected(f"version {req.version} rejected: {e}") from None
+        views = tuple(mapped[o : o + b.nbytes] for o, b in zip(shm.offsets, buckets))
+        segment: str | None = shm.segment
+        if self.arena is not None:  # copied once, and the copy is what is verified (and later loaded)
+            views, segment = self._set_for(req.buckets).buffers, None
+            for dst, (o, b) in zip(views, zip(shm.offsets, buckets)):
+                dst.copy_(mapped[o : o + b.nbytes])
+        if req.checksum:
+            bad = [i for i, (view, want) in enumerate(zip(views, shm.crcs)) if bucket_crc(view) != want]
+            _reject_if([f"checksum mismatch in bucket(s) {bad}"] if bad else [], req.version)
+        return StagedVersion.of(req.version, views, buckets, segment)
+
+    def _mapping(self, segment: str, nbytes: int) -> torch.Tensor:
+        """``segment`` mapped (at least ``nbytes``), each segment once: the trainer packs versions into
+        the same few segments in turn, and mapping 300 MB again costs as much as checksumming it.
+        Kept: the live weights' segment and this one; the others' mappings are dropped (a segment the
+        trainer retired is never written again under a new version, so a kept mapping is never stale)."""
+        mapped = self._mappings.get(segment)
+        if mapped is None or mapped.numel() < nbytes:
+            mapped = map_segment(segment, nbytes)
+        self._mappings = {n: m for n, m in self._mappings.items() if n == self._live_segment} | {segment: mapped}
+        return mapped
+
+    @property
+    def holds(self) -> tuple[str, ...]:
+        """The trainer's shared-memory segments this receiver still maps (its live weights'), which the
+        trainer must not rewrite: reported in every ``end`` answer."""
+        return (self._live_segment,) if self._live_segment is not None else ()
 
     def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
         """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped."""
@@ -251,7 +311,8 @@ class BucketStager:
 
     def mark_live(self, staged: StagedVersion) -> None:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
-        self._live = next(s for s in self._sets if s.buffers is staged.buffers)
+        self._live_segment = staged.segment
+        self._live = next((s for s in self._sets if s.buffers is staged.buffers), None)
 
     def close(self, broken: bool = False) -> None:
         """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""

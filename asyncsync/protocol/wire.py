@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncsync.protocol.shm import HostIdentity, valid_segment_name
 from asyncsync.protocol.specs import Bucket, TensorSpec, dtype_from_name, dtype_name
 
 
@@ -127,6 +128,41 @@ RECEIVE_MODES = ("background", "in_rpc")
 
 
 @dataclass(frozen=True)
+class SharedVersion:
+    """Where a same-host receiver finds a version instead of the data plane (``protocol/shm.py``):
+    the shared-memory segment, each bucket's offset in it, each bucket's CRC32C (empty without
+    checksums) and the trainer's host identity (a receiver elsewhere refuses at once)."""
+
+    segment: str
+    offsets: tuple[int, ...]
+    crcs: tuple[int, ...]
+    host: HostIdentity
+
+    def __post_init__(self) -> None:
+        if not valid_segment_name(self.segment):
+            raise WireError(f"update.shm.segment: {self.segment!r} is not an asyncsync segment name")
+        if any(not isinstance(o, int) or isinstance(o, bool) or o < 0 for o in self.offsets):
+            raise WireError(f"update.shm.offsets: expected byte offsets >= 0, got {list(self.offsets)}")
+        if self.crcs and len(self.crcs) != len(self.offsets):
+            raise WireError(f"update.shm.crcs: {len(self.crcs)} checksum(s) for {len(self.offsets)} bucket(s)")
+        if any(not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < 2**32 for c in self.crcs):
+            raise WireError("update.shm.crcs: expected CRC32C values (unsigned 32-bit integers)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"segment": self.segment, "offsets": list(self.offsets), "crcs": list(self.crcs),
+                "host": self.host.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> SharedVersion:
+        w = "update.shm"
+        host = HostIdentity.from_json(_field(data, "host", dict, w))
+        if host is None:
+            raise WireError(f"{w}.host: expected {{'boot_id': str, 'shm_dev': int}}")
+        return cls(_field(data, "segment", str, w), tuple(_field(data, "offsets", list, w)),
+                   tuple(_field(data, "crcs", list, w)), host)
+
+
+@dataclass(frozen=True)
 class UpdateRequest:
     """A whole version: every bucket's metadata, in broadcast order. With ``checksum`` the trainer
     broadcasts one more int64 tensor after the last bucket: the CRC32C of every bucket.
@@ -147,8 +183,13 @@ class UpdateRequest:
     deadlines_s: tuple[float, ...] = ()
     sources: tuple[int, ...] = ()  # per bucket, the group it arrives on (InitGroupRequest.groups); () = all group 0
     receive: str = "in_rpc"
+    shm: SharedVersion | None = None  # same-host receivers: the version is in shared memory, not on the data plane
 
     def __post_init__(self) -> None:
+        if self.shm is not None and len(self.shm.offsets) != len(self.buckets):
+            raise WireError(f"update.shm.offsets: {len(self.shm.offsets)} offset(s) for {len(self.buckets)} bucket(s)")
+        if self.shm is not None and self.checksum and not self.shm.crcs:
+            raise WireError("update.shm.crcs: the update has checksum true but the shared version carries none")
         if self.deadlines_s and len(self.deadlines_s) != len(self.buckets):
             raise WireError(f"update.deadlines_s: {len(self.deadlines_s)} deadline(s) for {len(self.buckets)} bucket(s)")
         if self.sources and len(self.sources) != len(self.buckets):
@@ -178,6 +219,8 @@ class UpdateRequest:
             out["sources"] = list(self.sources)
         if self.receive != "in_rpc":
             out["receive"] = self.receive
+        if self.shm is not None:
+            out["shm"] = self.shm.to_json()
         return out
 
     @classmethod
@@ -191,7 +234,8 @@ class UpdateRequest:
         sources = _field(data, "sources", list, "update") if "sources" in data else []
         receive = _field(data, "receive", str, "update") if "receive" in data else "in_rpc"
         buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
-        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive)
+        shm = SharedVersion.from_json(_field(data, "shm", dict, "update")) if "shm" in data else None
+        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive, shm)
 
 
 @dataclass(frozen=True)

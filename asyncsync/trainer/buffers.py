@@ -6,6 +6,8 @@
     snapshot = PackedBuffers(plan, device, packer, checksum)          # async: one buffer per bucket
     snapshot.pack_all(named)                                          # the whole version, ahead of sending
     result = send_version(members, v, plan, snapshot.packed())
+    shared = PackedBuffers(plan, device, packer, checksum, pool=pool) # same-host servers: each version packed
+                                                                      # into a shared-memory segment (transport/shm.py)
 
 Both pack through ``pack`` with the same backend, checksum and layout check; what differs is when
 the packing happens (just in time, on the sending thread, or ahead, on the snapshot thread) and so
@@ -30,6 +32,7 @@ from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.trainer.source import check_layout
+from asyncsync.transport.shm import Segment, SegmentPool
 
 Crc = int | torch.Tensor | None
 
@@ -47,12 +50,20 @@ class PackedBuffers:
     so the bytes sent are a copy). ``slots=k``: a ring for sending from the live
     weights (``packing``): k buffers of the largest multi-tensor bucket's size, reused in turn by the
     multi-tensor buckets; a bucket of one tensor is sent from the tensor itself. ``reuses`` names the
-    earlier bucket whose broadcast must finish before a bucket is packed (``send_version`` waits)."""
+    earlier bucket whose broadcast must finish before a bucket is packed (``send_version`` waits).
+
+    ``pool`` (``slots=None`` only): the buffers are a shared-memory segment, a fresh lease taken at
+    each ``pack_all`` (``SegmentPool.acquire``: one no server still maps), so same-host servers map
+    the packed version itself and nothing is copied for them."""
 
     def __init__(self, plan: BucketPlan, device: torch.device, packer: PackBackend, checksum: bool,
-                 slots: int | None = None):
+                 slots: int | None = None, pool: SegmentPool | None = None):
         if slots is not None and slots < 1:
             raise ValueError(f"a ring needs at least one buffer, got slots={slots}")
+        if pool is not None and (slots is not None or device.type != "cpu"):
+            raise ValueError("shared-memory buffers hold a whole version in host memory (slots=None, a CPU device)")
+        self.pool = pool
+        self.segment: Segment | None = None
         self.plan, self.packer, self.checksum, self.slots, self.device = plan, packer, checksum, slots, device
         self._slot: dict[int, int] = {}      # bucket index -> buffer index
         self._reuses: dict[int, int] = {}    # bucket index -> the bucket that used its buffer last
@@ -66,13 +77,13 @@ class PackedBuffers:
                 if n >= slots:
                     self._reuses[b.index] = packed[n - slots].index
             sizes = [max((b.nbytes for b in packed), default=0)] * min(slots, len(packed))
-        self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        self.buffers = [] if pool is not None else [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self.crcs: list[Crc] = [None] * len(self.buffers)
 
     @property
     def nbytes(self) -> int:
-        """Bytes these buffers hold: the sync's memory cost."""
-        return sum(b.numel() for b in self.buffers)
+        """Bytes these buffers hold: the sync's memory cost (a shared pool's segments are counted by the pool)."""
+        return sum(b.numel() for b in self.buffers) if self.pool is None else 0
 
     def direct(self, bucket: Bucket) -> bool:
         """True when a ring sends ``bucket`` from its one tensor instead of packing it."""
@@ -102,6 +113,10 @@ class PackedBuffers:
         for a tensor on another device) before writing anything."""
         assert self.slots is None, "a ring holds only a few buckets at a time"
         check_layout(self.plan, named, self.device)
+        if self.pool is not None:
+            self.segment = self.pool.acquire(self.segment)
+            self.buffers = list(self.segment.views)
+            self.crcs = [None] * len(self.buffers)
         for bucket in self.plan.buckets:
             self.pack(bucket, named)
 
@@ -125,6 +140,8 @@ class Prepacked:
 
     def __init__(self, buffers: PackedBuffers):
         self.buffers = buffers
+        # Same-host servers map this segment instead of receiving the buckets (None: not in shared memory).
+        self.segment = buffers.segment
 
     def reuses(self, bucket: Bucket) -> int | None:
         return None

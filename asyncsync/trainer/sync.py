@@ -15,6 +15,7 @@ so no rank holds the whole model; with ``funnel: true`` rank 0 owns every bucket
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,7 +35,8 @@ from asyncsync.trainer.worker import Sender, SyncWorker
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import follow_version, send_version
+from asyncsync.transport.send import BucketSource, follow_version, send_version
+from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class WeightSync:
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
         self._ring: PackedBuffers | ShardedBuffers | None = None
+        self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
+        self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
         self._reader = WeightsReader()
         self.ranks = TrainerRanks()  # this process's place among a sharded trainer's ranks (a world of one)
         self._follower: Follower | None = None  # ranks other than 0 follow rank 0's plans
@@ -94,10 +98,12 @@ class WeightSync:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots async)."""
+        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots
+        async, and the shared-memory segments same-host servers map)."""
+        shared = self._pool.allocated if self._pool is not None else 0
         if self._worker is not None:
-            return self._worker.nbytes
-        return self._ring.nbytes if self._ring is not None else 0
+            return self._worker.nbytes + shared
+        return (self._ring.nbytes if self._ring is not None else 0) + shared
 
     @property
     def host_buffer_bytes(self) -> int:
@@ -173,22 +179,26 @@ class WeightSync:
         owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
         return plan, owners, ties
 
-    def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str) -> tuple[Any, Any]:
-        """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or host)."""
+    def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
+                 pool: SegmentPool | None = None) -> tuple[Any, Any]:
+        """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
+        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
-        if ranks.world > 1 or snapshot == "host":
+        if ranks.world > 1 or (snapshot == "host" and pool is None):
             layout = ShardLayout.of(plan, named, ranks.world, owners)
             return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None),
                     lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
-                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum))
+                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool))
 
     def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int]) -> None:
         """The buffers of this rank (a ring blocking, a snapshot async) and, async, the worker."""
-        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot)
+        self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
+        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool)
         if not self.is_async:
             self._ring = ring()
+            self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
             return
         if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
@@ -252,21 +262,38 @@ class WeightSync:
             raise TrainerRankLost(self._lost)
         if version <= self._last_version:
             raise ValueError(f"version {version} is not newer than the last published {self._last_version}")
-        assert self._ring is not None
-        source = self._ring.packing(self._reader.read(model).tensors())  # raises before anything is sent
+        assert self._ring is not None and self.plan is not None
+        named = self._reader.read(model).tensors()
+        result = SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
+        source, packed_s = self._blocking_source(named, result)  # raises before anything is sent
         self._last_version = version
         self.metrics.count("published")
         try:
             if self.ranks.leader:
-                result = send_version(self._members[0], version, self.plan, source)  # blocking mode has one membership
+                result = send_version(self._members[0], version, self.plan, source, result)  # blocking mode has one membership
             else:
-                result = self._follow(version, source) or SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
+                result = self._follow(version, source) or result
         except TrainerRankLost as e:
             self._lost = str(e)
             raise
+        result.pack_s += packed_s
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
+
+    def _blocking_source(self, named: dict[str, Any], result: SyncResult) -> tuple[BucketSource, float]:
+        """Blocking mode's buckets and the seconds packed ahead: with a server on shared memory, the
+        whole version packed into a leased segment before any server is told (they map it); else a
+        ring, each bucket packed from the live weights just before its broadcast."""
+        assert self._ring is not None
+        members = self._members[0] if self._members else None  # rank 0's (a sharded trainer has no pool)
+        if self._shared is not None and members is not None:
+            members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
+            if members.shared:
+                result.started = t0 = time.perf_counter()
+                self._shared.pack_all(named)
+                return self._shared.packed(), time.perf_counter() - t0
+        return self._ring.packing(named), 0.0
 
     # -- versions and staleness -----------------------------------------------------------------
 
@@ -336,7 +363,10 @@ class WeightSync:
         if self._control is not None:
             self._control.close()
             self._control = None
-        self._ring = None
+        self._ring = self._shared = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         self._reader.close()
         if self._follower is not None:
             self._follower.drop_group()
@@ -358,3 +388,15 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def shared_pool(memberships: list[Membership], plan: BucketPlan) -> SegmentPool | None:
+    """The shared-memory segments versions are packed into when a server maps them (``transport``),
+    known to every membership so it can track what its servers hold; None when no server is on
+    shared memory."""
+    if not any(m.shared for m in memberships):
+        return None
+    pool = SegmentPool([b.nbytes for b in plan.buckets])
+    for m in memberships:
+        m.pool = pool
+    return pool

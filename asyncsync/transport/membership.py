@@ -37,11 +37,13 @@ from asyncsync.engines.base import EngineClient, UnsupportedServer
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
+from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.trainer.metrics import SyncMetrics
 from asyncsync.trainer.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
+from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class Membership:
         self.server_versions: dict[str, int] = {e.url: 0 for e in self.engines}
         self.server_ranks: dict[str, int] = {}  # data-plane ranks each server reported (at its last epoch)
         self.members: list[EngineClient] = []
+        self.shared: set[str] = set()  # members that map versions from shared memory (no data-plane group)
+        self.pool: SegmentPool | None = None  # the shared-memory segments (set by WeightSync once it planned)
         self.evicted: dict[str, str] = {}
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
@@ -154,19 +158,28 @@ class Membership:
         if refuse_unsupported and unsupported:
             raise unsupported[0]
         alive = self._drop_unreachable(candidates, sizes)
+        self.shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
+        if cfg.transport == "shm":
+            alive = [e for e in alive if e.url in self.shared]  # the others were evicted: not on this host
         claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
         alive = self._drop_unreachable(alive, claims)
         token = self.session.rsplit(":", 1)[-1]
         retried = False
         while alive:
             self.epoch += 1
+            wired = [e for e in alive if e.url not in self.shared]
+            if not wired:  # every server maps versions from shared memory: no data-plane group (a single
+                # trainer process: no follower rank waits for an epoch, ``_same_host``)
+                self.members = alive
+                log.info("epoch %d: %d server(s) on shared memory, no data-plane group", self.epoch, len(alive))
+                break
             port_taken = False
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, alive, sizes, self.runtime, self.sources)
+            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources)
             self.ranks.from_leader(("epoch", [layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
-            joined = self.control.submit(gather(alive, lambda e: e.init_group(*layout.membership(e))))
+            joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
             try:
                 group: TrainerGroups | None = layout.join()  # returns once every server's ranks joined
             except DataPlaneError as e:
@@ -174,24 +187,24 @@ class Membership:
                 group = None
                 port_taken = "EADDRINUSE" in str(e)
             answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
-            still = self._drop_unreachable(alive, answers)
+            still = self._drop_unreachable(wired, answers)
             formed = all(self.ranks.gather_objects(group is not None) or [])
-            self.ranks.from_leader(("formed", formed and len(still) == len(alive)))
-            if formed and len(still) == len(alive):
+            self.ranks.from_leader(("formed", formed and len(still) == len(wired)))
+            if formed and len(still) == len(wired):
                 self.group, self.members = group, alive
-                log.info("epoch %d: data-plane groups of %s ranks over %d server(s)", self.epoch,
-                         [specs[0].world_size for _, specs in layout.groups], len(alive))
+                log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory", self.epoch,
+                         [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired))
                 break
             if group is not None:
                 group.close(broken=True)
-            if len(still) == len(alive):  # everyone answered yet the group did not form
+            if len(still) == len(wired):  # everyone answered yet the group did not form
                 if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
                     retried = True
                     continue
-                for e in alive:
+                for e in wired:
                     self.evict(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
                 still = []
-            alive = still
+            alive = [e for e in alive if e.url in self.shared or e in still]
         else:
             self.members = []
         for e in self.members:
@@ -199,6 +212,42 @@ class Membership:
                 self.metrics.event("rejoined", e.url, None, f"epoch {self.epoch}")
         versions = self.call_all(self.members, lambda e: e.version(), "version")
         self.server_versions.update({u: v for u, v in versions.items() if not isinstance(v, BaseException)})
+
+    def _same_host(self, engines: list[EngineClient], refuse: bool) -> set[str]:
+        """The servers that get versions through shared memory (``transport``; docs in configs/default.yaml):
+        those on this host, for a single trainer process with weights in host memory. With
+        ``transport: shm`` a server known to be elsewhere raises ``UnsupportedServer`` (``refuse``, at
+        connect) or is evicted."""
+        cfg = self.config
+        if cfg.transport == "collective" or self.runtime.kind != "host" or self.ranks.world > 1 or not engines:
+            if cfg.transport == "shm" and engines:
+                raise UnsupportedServer(engines[0].url, "transport: shm needs weights in host memory and one trainer "
+                                                        "process; use transport: auto or collective")
+            return set()
+        here = HostIdentity.here()
+        for e in engines if cfg.transport == "shm" else ():
+            if not e.protocol.shared_memory:  # SGLang: its update_weights_from_tensor path is not done
+                error = UnsupportedServer(e.url, f"a {e.kind} server cannot receive through shared memory; use "
+                                                 "transport: auto (it then gets the collective) or collective")
+                if refuse:
+                    raise error
+                self.evict(e.url, str(error))
+        engines = [e for e in engines if e.protocol.shared_memory]
+        hosts = self.call_all(engines, lambda e: e.host_identity(), "host")
+        shared = set()
+        for e in engines:
+            host = hosts[e.url]
+            if isinstance(host, BaseException):
+                host = None  # it is evicted by the next call it fails
+            if here is not None and host == here or (cfg.transport == "shm" and host is None):
+                shared.add(e.url)
+            elif cfg.transport == "shm":
+                error = UnsupportedServer(e.url, f"is not on this host (it sees {host}, the trainer {here}), but the "
+                                                 "config says transport: shm; use transport: auto")
+                if refuse:
+                    raise error
+                self.evict(e.url, str(error))
+        return shared
 
     def rebuild(self, lost: Iterable[str] = ()) -> None:
         """A new epoch over the members not in ``lost`` (after a failed collective or an eviction)."""
@@ -212,6 +261,8 @@ class Membership:
             self.group = None
 
     def evict(self, url: str, reason: str) -> None:
+        if self.pool is not None:
+            self.pool.evicted(url)  # it loses its lease: what it maps is retired, never rewritten
         if url not in self.evicted:
             self.metrics.event("evicted", url, None, reason)
             log.warning("evicted %s: %s", url, reason)

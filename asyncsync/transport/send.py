@@ -15,6 +15,7 @@ control loop are derived from those deadlines. Nothing raises for a server's fai
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from asyncsync.engines.base import EngineClient
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import Bucket, BucketPlan
-from asyncsync.protocol.wire import BucketMeta, UpdateRequest
+from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
 from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
@@ -76,7 +77,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     start = time.perf_counter()
     result.send_started = start
     result.started = result.started or start
-    if members.group is None:
+    if members.group is None and not members.shared:
         ranks.from_leader(("version", None))  # no server to send to: the other ranks skip it too
         result.failures = dict(members.evicted)
         result.finished = time.perf_counter()
@@ -86,6 +87,11 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     deadlines = tuple(members.pace.deadline_s(b.nbytes) for b in plan.buckets)
     sources = tuple(owner_of(source, b) for b in plan.buckets) if members.sources > 1 else ()
     request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines, sources)
+    requests = shared_requests(members, request, plan, source, result)  # same-host servers: where the version is
+    skipped = [e.url for e in engines if e.url in members.shared and e.url not in requests]
+    if skipped:
+        log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
+        engines = [e for e in engines if e.url not in skipped]
     ranks.from_leader(("version", VersionPlan(version, deadlines)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
@@ -103,7 +109,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     async def begin_and_update(e: EngineClient) -> None:
         try:
             await within(e, e.begin(version), deadline(e, "begin"), "begin")
-            await within(e, e.update(request), deadline(e, "update"), "update")
+            await within(e, e.update(requests.get(e.url, request)), deadline(e, "update"), "update")
         except Exception:
             await abort(e)
             raise
@@ -121,23 +127,28 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     # together: there, deadlines end it).
     posted = {e.url: members.control.submit(begin_and_update(e)) for e in engines}
     background = frozenset(e.url for e in engines if e.receives_in_background)
-    try:
-        broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
-                                  posted if ranks.world == 1 else None, background)
-        broken = _finish_data_path(members, plan, broken, crcs, deadlines)
-    except TrainerRankLost:
-        # Another trainer rank is gone: its buckets will never come. The dropped group fails every
-        # server's update at once (each is aborted: it keeps serving its last complete version).
-        members.drop_group(broken=True)
-        _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
-        raise
+    broken: str | PackFailed | None = None
+    if members.group is not None:  # servers on shared memory already know where the version is
+        wired = {u: f for u, f in posted.items() if u not in members.shared}
+        try:
+            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
+                                      wired if ranks.world == 1 else None, background)
+            broken = _finish_data_path(members, plan, broken, crcs, deadlines)
+        except TrainerRankLost:
+            # Another trainer rank is gone: its buckets will never come. The dropped group fails every
+            # server's update at once (each is aborted: it keeps serving its last complete version).
+            members.drop_group(broken=True)
+            _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+            raise
     result.wire_s = time.perf_counter() - start - result.pack_s
     if broken is None:
-        members.pace.observe(plan.total_bytes, result.wire_s)
+        if members.group is not None:
+            members.pace.observe(plan.total_bytes, result.wire_s)
     else:
         members.drop_group(broken=True)
     t0 = time.perf_counter()
-    updated = _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
+    updated = _collect(posted, max((deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines),
+                                   default=0.0))
     if isinstance(broken, PackFailed):
         # The trainer abandoned the version: every server's update failed with the dropped group (and
         # was aborted), none is sent ``end``, so each keeps serving its last complete version. No
@@ -160,6 +171,10 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.switch_s = {e.url: e.last_switch_s for e in took
                        if e.url in result.server_versions and e.last_switch_s is not None}
     members.server_versions.update(result.server_versions)
+    if members.pool is not None:
+        for e in took:
+            if e.url in members.shared and e.url in result.server_versions:
+                members.pool.settle(e.url, e.holds)  # what it still maps: never rewritten until released
     failures = {u: r for u, r in (updated | ended).items() if isinstance(r, BaseException)}
     result.failures = {u: str(r) for u, r in failures.items()}
     unreachable = [u for u, r in failures.items() if not (isinstance(r, ServerError) and r.status is not None)]
@@ -168,6 +183,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             members.metrics.event("refused", url, version, str(err))
     for url in unreachable:
         members.evict(url, result.failures[url])
+        if members.pool is not None and url in requests:
+            members.pool.evicted(url, requests[url].shm.segment)  # it may still be reading: never rewrite it
     if broken is not None or unreachable:
         members.form([e for e in engines if e.url not in unreachable])
     result.apply_s = time.perf_counter() - t0
@@ -175,6 +192,25 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.total_s = result.finished - result.started
     ranks.from_leader(("done", result))
     return result
+
+
+def shared_requests(members: Membership, request: UpdateRequest, plan: BucketPlan, source: BucketSource,
+                    result: SyncResult) -> dict[str, UpdateRequest]:
+    """The update request of each member on shared memory: ``request`` plus where the version lies
+    (``source.segment``, packed before ``send_version``) and each bucket's CRC32C, which travel with
+    it instead of after the broadcast. A source that is not in shared memory (a same-host server
+    readmitted after the version was packed) sends these members nothing new: they keep serving
+    their version and get the next one."""
+    segment = getattr(source, "segment", None)
+    pool = members.pool
+    if not members.shared or segment is None or pool is None:
+        return {}
+    t0 = time.perf_counter()
+    crcs = tuple(int(c) for c in (source.checksum(b) for b in plan.buckets) if c is not None) if request.checksum else ()
+    result.pack_s += time.perf_counter() - t0
+    assert pool.host is not None, "a pool exists only where there is shared memory"
+    shm = dataclasses.replace(request, shm=SharedVersion(segment.name, pool.offsets, crcs, pool.host))
+    return {url: shm for url in members.shared}
 
 
 def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float) -> dict[str, Any]:

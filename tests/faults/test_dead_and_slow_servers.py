@@ -24,6 +24,7 @@ def step(model: torch.nn.Module, version: int) -> None:
 def config(servers: list[ServerProcess], **extra) -> WeightSyncConfig:
     return WeightSyncConfig.from_dict({
         "async_weight_update": True, "servers": [s.url for s in servers], "bucket_bytes": "16KiB",
+        "transport": "collective",  # the data plane's faults (tests/test_shm.py has shared memory's)
         "readmit_interval_s": 0.5, "deadlines": {"rendezvous_s": 10, "collective_s": 5, "http_s": 10}, **extra,
     })
 

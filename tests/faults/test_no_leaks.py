@@ -57,6 +57,7 @@ def test_a_failed_epoch_and_close_release_every_socket_thread_and_group():
     servers = [ServerProcess(build_model, (TINY,)).start() for _ in range(2)]
     cfg = WeightSyncConfig.from_dict({
         "servers": [s.url for s in servers], "bucket_bytes": "16KiB", "readmit_interval_s": 60,
+        "transport": "collective",  # counts the data plane's sockets, threads and groups
         "deadlines": {"collective_s": 10, "http_s": 10, "rendezvous_s": 10},
     })
     model = build_model(TINY)

@@ -5,6 +5,7 @@ Routes (JSON in and out)::
     GET  /health            {"status": "ok", "version": v}
     GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
     GET  /world_size        {"world_size": 1}     data-plane ranks this server needs
+    GET  /host              {"host": {"boot_id", "shm_dev"} | null}   whose shared memory it sees
     GET  /weights/digest    {"version": v, "digest": {name: sha256}}
     GET  /weights/names     {"names": [...]}       the tensor names every version must carry
     POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
@@ -13,9 +14,11 @@ Routes (JSON in and out)::
     POST /release           -> {"released": bool}   the calling trainer session is done with this server
     POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
     POST /begin             {"version": v}
-    POST /update            UpdateRequest; answered once every bucket is received and verified
-    POST /end               {"version": v} -> {"version": v, "switch_s": s}   swaps the staged version in;
-                            generation was held s seconds for the swap
+    POST /update            UpdateRequest; answered once every bucket is received and verified (with
+                            ``shm``: mapped from the trainer's shared memory instead of the data plane)
+    POST /end               {"version": v} -> {"version": v, "switch_s": s, "holds": [segments]}   swaps
+                            the staged version in; generation was held s seconds for the swap;
+                            ``holds``: the trainer's segments the live weights map
 
 One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
 its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
@@ -49,6 +52,7 @@ from asyncsync.models import generate
 from asyncsync.protocol.background import enter_background_thread
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
+from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import (
     OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest, WireError,
@@ -71,6 +75,8 @@ WEIGHT_ROUTES = frozenset({
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
     "/continue_generation",
 })
+SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
+SWEEPER = web.AppKey("sweeper", asyncio.Task)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -113,17 +119,31 @@ class ReferenceServer:
                               client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
-            web.get("/world_size", self.world_size), web.get("/weights/digest", self.digest),
+            web.get("/world_size", self.world_size), web.get("/host", self.host), web.get("/weights/digest", self.digest),
             web.get("/weights/names", self.names),
             web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
             web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
             *self.sglang.routes(),
         ])
+        app.on_startup.append(self._start_sweeping)
         app.on_cleanup.append(self._close)
         return app
 
-    async def _close(self, _app: web.Application) -> None:
+    async def _start_sweeping(self, app: web.Application) -> None:
+        app[SWEEPER] = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """While this server maps a trainer's shared memory, remove the segments of trainers that no
+        longer run (a trainer killed before it could unlink them): a crash leaves nothing in /dev/shm."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            if self.receiver.holds:
+                for name in sweep_stale():
+                    log.warning("removed shared-memory segment %s: its trainer no longer runs", name)
+
+    async def _close(self, app: web.Application) -> None:
+        app[SWEEPER].cancel()
         self.sglang.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)
@@ -179,6 +199,10 @@ class ReferenceServer:
 
     async def world_size(self, _r: web.Request) -> web.Response:
         return web.json_response({"world_size": 1})
+
+    async def host(self, _r: web.Request) -> web.Response:
+        here = HostIdentity.here()
+        return web.json_response({"host": here.to_json() if here is not None and self.receiver.runtime.kind == "host" else None})
 
     async def digest(self, _r: web.Request) -> web.Response:
         version, digest = await self._run(self._gen, self.receiver.digest)
@@ -240,7 +264,8 @@ class ReferenceServer:
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
         version = await self._run(self._comm, self.receiver.commit, req.version)
-        return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s})
+        return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
+                                  "holds": list(self.receiver.holds)})
 
 
 def _session(request: web.Request) -> str:

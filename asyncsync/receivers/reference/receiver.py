@@ -54,10 +54,17 @@ class WeightReceiver:
         self.stager.join(specs, rank, warmup)
 
     def receive(self, req: UpdateRequest) -> None:
-        """Receive every bucket of ``req``; raise ``VersionRejected`` after the last one if anything
-        was wrong (unknown name, shape or dtype, missing tensor, bad checksum, stale version)."""
+        """Receive every bucket of ``req`` (from the data plane, or mapped from the trainer's shared
+        memory when ``req.shm``: the live tensors will then be views of the mapping, no copy); raise
+        ``VersionRejected`` after the last one if anything was wrong (unknown name, shape or dtype,
+        missing tensor, bad checksum, stale version)."""
         self._staged = None
         self._staged = self.stager.receive(req, self.version)
+
+    @property
+    def holds(self) -> tuple[str, ...]:
+        """The trainer's shared-memory segments the live weights map (the trainer keeps them intact)."""
+        return self.stager.holds
 
     def receive_bucket(self, meta: BucketMeta, group: DataPlaneGroup | None = None) -> None:
         """Receive one bucket of a version sent bucket by bucket (SGLang's protocol), on ``group``

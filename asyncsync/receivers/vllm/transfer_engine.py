@@ -116,7 +116,9 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
 
     def receive_weights(self, update_info: UpdateRequest) -> None:  # type: ignore[override]
-        staged = self.stager.receive(update_info, self.version)  # raises VersionRejected; model untouched
+        # From the data plane, or (``transport: shm``, same host) copied once from the trainer's shared
+        # memory into the arena; either way verified before the model is touched (raises VersionRejected).
+        staged = self.stager.receive(update_info, self.version)
         self.ties.check(staged.version)  # raises VersionRejected; model untouched
         self._load(staged)
 

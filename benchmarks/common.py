@@ -32,3 +32,10 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+def save(name: str, results: dict[str, Any], plot: Any) -> None:
+    """``results`` as benchmarks/results/NAME.json and ``plot(results, path)`` as NAME.png; says where."""
+    write_json(name, results)
+    plot(results, str(RESULTS / f"{name}.png"))
+    print(f"wrote {RESULTS / f'{name}.json'} and {RESULTS / f'{name}.png'}")

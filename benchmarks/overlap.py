@@ -30,7 +30,7 @@ from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.launch import ServerProcess
 from benchmarks import netns
-from benchmarks.common import RESULTS, write_json
+from benchmarks.common import save
 
 MODEL = ModelConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4)
 
@@ -206,9 +206,7 @@ def main() -> None:
     results = {"model_bytes": nbytes, "step_s": step_s, "kinds": kinds, "ratios": ratios, "link_gbit": args.link_gbit,
                "publish_latency": latency,
                "note": "(a) simulates an accelerator: the host sleeps while the 'GPU' computes; (b) computes on the CPU"}
-    write_json(name, results)
-    plot(results, str(RESULTS / f"{name}.png"))
-    print(f"wrote {RESULTS / f'{name}.json'} and {RESULTS / f'{name}.png'}")
+    save(name, results, plot)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.launch import ServerProcess, running
 from asyncsync.trainer.local_ranks import run_local_ranks
-from benchmarks.common import RESULTS, write_json
+from benchmarks.common import save
 
 # The GRPO demo's policy shape with fewer experts: ~50 MB, many tensors, few FLOPs.
 MODEL = ModelConfig(family="qwen2_moe", vocab_size=15, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -149,9 +149,7 @@ def main() -> None:
                   f"{row['bucket_bytes'] / 1e6:.1f} MB; per rank: {mem}", flush=True)
     results = {"rows": rows, "bucket_bytes_config": args.bucket_bytes,
                "note": "one host: every rank shares the cores and the link, so spreading cannot add bandwidth here"}
-    write_json(name, results)
-    plot(results, str(RESULTS / f"{name}.png"))
-    print(f"wrote {RESULTS / f'{name}.json'} and {RESULTS / f'{name}.png'}")
+    save(name, results, plot)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import yaml
@@ -140,7 +142,36 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.fn(args)
+    signal.signal(signal.SIGINT, _on_interrupt)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(f"asyncsync {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _exit_now() -> None:
+    """Kill the child processes (embedded servers, trainer ranks) and exit without further clean-up."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(130)
+
+
+CLEANUP_S = 30.0  # after a Ctrl-C, how long the clean-up (drain, servers stopped) may take before exiting anyway
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C: raise KeyboardInterrupt so everything is cleaned up (servers stopped, segments removed);
+    if that clean-up is still running ``CLEANUP_S`` later, or on a second Ctrl-C, exit at once."""
+    if getattr(_on_interrupt, "armed", False):
+        _exit_now()
+    _on_interrupt.armed = True  # type: ignore[attr-defined]
+    timer = threading.Timer(CLEANUP_S, _exit_now)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

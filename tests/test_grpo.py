@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -133,9 +134,16 @@ def test_ctrl_c_stops_the_servers():
             if "embedded reference server" in line or not line:
                 break
         pids = _pids("".join(lines))
+        # Keep reading stderr: a child whose pipe fills up blocks in its next log line and never exits.
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
+        reader.start()
         time.sleep(2)  # training is under way
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the demo did not exit within 60 s of a Ctrl-C; its last log lines:\n" + "".join(rest[-40:]))
         assert _gone(pids), "the embedded servers outlived a Ctrl-C"
     finally:
         if proc.poll() is None:

@@ -9,8 +9,11 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 "$VENV/bin/pip" wheel -q --no-build-isolation --no-deps . -w "$out" 2>&1 | grep -v "^WARNING: Location" || true
 wheel="$(ls "$out"/asyncsync-*.whl)"
-if ! "$VENV/bin/python" -m zipfile -l "$wheel" | grep -q "asyncsync/_pack_cpu.*\.so"; then
+# The whole listing first: a grep that stops reading early would break the lister's pipe (pipefail).
+listing="$("$VENV/bin/python" -m zipfile -l "$wheel")"
+so="$(grep -o 'asyncsync/_pack_cpu[^ ]*\.so' <<<"$listing" || true)"
+if [ -z "$so" ]; then
   echo "check_wheel: $(basename "$wheel") has no compiled asyncsync/_pack_cpu extension" >&2
   exit 1
 fi
-echo "check_wheel: $(basename "$wheel") carries $("$VENV/bin/python" -m zipfile -l "$wheel" | grep -o 'asyncsync/_pack_cpu[^ ]*\.so')"
+echo "check_wheel: $(basename "$wheel") carries $so"

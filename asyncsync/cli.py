@@ -159,15 +159,16 @@ def _exit_now() -> None:
     os._exit(130)
 
 
-CLEANUP_S = 30.0  # after a Ctrl-C, how long the clean-up (drain, servers stopped) may take before exiting anyway
+CLEANUP_S = 30.0
+_interrupted = threading.Event()  # after a Ctrl-C, how long the clean-up (drain, servers stopped) may take before exiting anyway
 
 
 def _on_interrupt(signum: int, frame: Any) -> None:
     """Ctrl-C: raise KeyboardInterrupt so everything is cleaned up (servers stopped, segments removed);
     if that clean-up is still running ``CLEANUP_S`` later, or on a second Ctrl-C, exit at once."""
-    if getattr(_on_interrupt, "armed", False):
+    if _interrupted.is_set():
         _exit_now()
-    _on_interrupt.armed = True  # type: ignore[attr-defined]
+    _interrupted.set()
     timer = threading.Timer(CLEANUP_S, _exit_now)
     timer.daemon = True
     timer.start()

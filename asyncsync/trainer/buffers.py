@@ -85,6 +85,12 @@ class PackedBuffers:
         """Bytes these buffers hold: the sync's memory cost (a shared pool's segments are counted by the pool)."""
         return sum(b.numel() for b in self.buffers) if self.pool is None else 0
 
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes in host memory apart from the weights' device: none here (a ``ShardedBuffers`` host
+        snapshot has some; a shared pool's segments are counted by the pool)."""
+        return 0
+
     def direct(self, bucket: Bucket) -> bool:
         """True when a ring sends ``bucket`` from its one tensor instead of packing it."""
         return self.slots is not None and len(bucket.specs) == 1

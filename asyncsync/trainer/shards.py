@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
+from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view
 from asyncsync.trainer.source import check_layout, local_part
 
@@ -290,8 +291,6 @@ class ShardedSource:
             parts[b.rank] = b.area(bucket.index)
             assemble(shards, parts, out)
         if b.checksum:
-            from asyncsync.protocol.checksum import bucket_crc
-
             self._crc[bucket.index] = bucket_crc(out)
         return out
 

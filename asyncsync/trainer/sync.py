@@ -136,15 +136,19 @@ class WeightSync:
             self.runtime = runtime = runtime_for(weights_device(every))
             self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
             if ranks.leader:
-                plan, owners, ties = self._connect_servers(model, every, convert)
-                ranks.from_leader(("ready", (plan, owners, ties)))
+                ties = self._connect_servers(every if convert is not None else model)
             else:
                 self._follower = Follower(ranks, runtime)
-                (_, (plan, owners, ties)) = self._follower.until("ready")
-            self.plan, self._connected = plan, True
+                (_, ties) = self._follower.until("names")
             self._reader.close()
             self._reader = WeightsReader(ties, sharded, convert)
-            named = self._reader.read(model).tensors()
+            named = self._reader.read(model).tensors()  # this rank's view, read once here
+            if ranks.leader:
+                plan, owners = self._plan(named)
+                ranks.from_leader(("ready", (plan, owners)))
+            else:
+                (_, (plan, owners)) = self._follower.until("ready")
+            self.plan, self._connected = plan, True
             self._allocate(plan, named, owners)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
@@ -160,9 +164,9 @@ class WeightSync:
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
 
-    def _connect_servers(self, model: Weights, every: dict[str, Any],
-                         convert: Convert | None) -> tuple[BucketPlan, list[int], TiedNames]:
-        """Rank 0 (or the single process): the data-plane groups, the names sent, the plan and owners."""
+    def _connect_servers(self, weights: Weights) -> TiedNames:
+        """Rank 0 (or the single process): the data-plane groups with every server, then the names
+        sent (``weights``: the module, or the conversion's output), which every rank is told."""
         cfg, ranks = self.config, self.ranks
         self._control = ControlLoop()
         groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
@@ -171,13 +175,16 @@ class WeightSync:
             self._members.append(Membership.connect(group_cfg, self._control, self.metrics, self.runtime, self.session,
                                                     ranks, spread))
         told = [names for m in self._members for names in m.expected_names()]
-        ties = TiedNames.decide(every if convert is not None else model, frozenset().union(*told) if told else None)
-        named = WeightsReader(ties, ranks.world > 1, convert).read(model).tensors()
+        ties = TiedNames.decide(weights, frozenset().union(*told) if told else None)
+        ranks.from_leader(("names", ties))
+        return ties
+
+    def _plan(self, named: dict[str, Any]) -> tuple[BucketPlan, list[int]]:
+        """Rank 0: the bucket plan of its view (global shapes), and each bucket's owner rank."""
         single_dtype = any(m.single_dtype_buckets for m in self._members)
-        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
+        plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
         sources = self._members[0].sources
-        owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
-        return plan, owners, ties
+        return plan, balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
 
     def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
                  pool: SegmentPool | None = None) -> tuple[Any, Any]:
@@ -224,7 +231,7 @@ class WeightSync:
         for mode, snapshot in (("blocking", None), ("async_device", "device"), ("async_host", "host")):
             ring, snap = self._buffers(plan, named, owners, snapshot or "device")
             buffers = ring() if snapshot is None else snap()
-            out[mode] = {"device": buffers.nbytes, "host": getattr(buffers, "host_nbytes", 0)}
+            out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes}
             del buffers
         return out
 

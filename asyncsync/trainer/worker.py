@@ -116,7 +116,7 @@ class SyncWorker:
     @property
     def host_nbytes(self) -> int:
         """Bytes of snapshots kept in host memory (``snapshot: host``)."""
-        return sum(getattr(s.buffers, "host_nbytes", 0) for s in self._sets)
+        return sum(s.buffers.host_nbytes for s in self._sets)
 
     # -- trainer side ---------------------------------------------------------------------------
 

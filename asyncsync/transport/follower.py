@@ -11,7 +11,8 @@ in the same order on every rank:
                            server is in a group, nothing to send
     ("done", result)       the version is over: rank 0's ``SyncResult`` (the servers' answers), or
                            None when the version was abandoned
-    ("ready", setup)       connect() is over: the bucket plan, its owners and the names sent
+    ("names", ties)        connect(): the names sent (``TiedNames``), decided with the servers
+    ("ready", setup)       connect() is over: the bucket plan and each bucket's owner
     ("failed", why)        connect() failed on rank 0 (no server, a conflict): every rank raises
     ("stop",)              close()
 """

@@ -102,7 +102,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
               "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
         for mode, b in WeightSync(sync_cfg).memory(model).items():
-            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host")
+            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host, "
+                  f"{b['conversion'] / 1e6:.1f} MB at most for converting to the engines' layout")
     return 0
 
 

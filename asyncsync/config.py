@@ -18,6 +18,7 @@ from asyncsync.protocol.wire import RECEIVE_MODES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
+LAYOUTS = ("checkpoint", "trainer")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -136,8 +137,12 @@ class WeightSyncConfig:
     funnel: bool = False
     snapshot: str = "device"
     transport: str = "auto"
+    layout: str = "checkpoint"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)} (checkpoint: the names and layouts "
+                              "engines load, from transformers' own conversion; trainer: the module's own names)")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
                               "servers on this host, the data-plane group for the others)")

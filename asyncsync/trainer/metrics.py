@@ -58,6 +58,9 @@ class SyncMetrics:
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
         self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
         self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
+        # the most bytes converting to the engines' layout allocates at once while a version is packed
+        # (trainer.layout: copies such as the gate/up split of fused experts), on the weights' device
+        self.conversion_bytes = 0
         # Bytes each server holds beside its live weights to receive versions (vLLM: a staging arena
         # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
         self.receiver_staging_bytes: dict[str, int] = {}
@@ -75,6 +78,8 @@ class SyncMetrics:
         self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
         self._p_buffers = Gauge("asyncsync_buffer_bytes", "Bytes of the sync's own buffers on the weights' device", registry=r)
         self._p_host = Gauge("asyncsync_host_buffer_bytes", "Bytes of the sync's own buffers in host memory", registry=r)
+        self._p_conversion = Gauge("asyncsync_conversion_bytes", "Most bytes converting to the engines' layout "
+                                   "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
                                 ["server"], registry=r)
         self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
@@ -96,11 +101,12 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int, host_nbytes: int = 0) -> None:
+    def allocated(self, nbytes: int, host_nbytes: int = 0, conversion_bytes: int = 0) -> None:
         with self._lock:
-            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
+            self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes = nbytes, host_nbytes, conversion_bytes
         self._p_buffers.set(nbytes)
         self._p_host.set(host_nbytes)
+        self._p_conversion.set(conversion_bytes)
 
     def staging(self, per_server: dict[str, int]) -> None:
         with self._lock:
@@ -129,7 +135,7 @@ class SyncMetrics:
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
                 "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
-                "host_buffer_bytes": self.host_buffer_bytes,
+                "host_buffer_bytes": self.host_buffer_bytes, "conversion_bytes": self.conversion_bytes,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "events": [asdict(e) for e in self.events],
             }

@@ -25,9 +25,10 @@ from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
+from asyncsync.trainer.layout import PeftMerge, WeightLayout
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
-from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, balanced_owners
+from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)
 from asyncsync.trainer.streams import StreamSet
@@ -70,6 +71,7 @@ class WeightSync:
         self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
         self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
         self._reader = WeightsReader()
+        self.layout: WeightLayout | None = None  # the engines' layout of the weights (None: convert= gives it)
         self.ranks = TrainerRanks()  # this process's place among a sharded trainer's ranks (a world of one)
         self._follower: Follower | None = None  # ranks other than 0 follow rank 0's plans
         self._lost: str | None = None  # why another trainer rank is gone (blocking mode)
@@ -106,6 +108,12 @@ class WeightSync:
         return (self._ring.nbytes if self._ring is not None else 0) + shared
 
     @property
+    def conversion_bytes(self) -> int:
+        """The most bytes converting to the engines' layout allocates at once while a version is
+        packed (``trainer/layout.py``: copies such as fused experts' gate/up split), on the weights' device."""
+        return self.layout.scratch_bytes(self.plan) if self.layout is not None and self.plan is not None else 0
+
+    @property
     def host_buffer_bytes(self) -> int:
         """Bytes of the sync's own buffers in host memory (a snapshot with ``snapshot: host``)."""
         return self._worker.host_nbytes if self._worker is not None else 0
@@ -131,17 +139,25 @@ class WeightSync:
             if sharded and cfg.group_per_server:
                 raise ConfigError("group_per_server: a sharded trainer's ranks send every version together; set it "
                                   "to false (or sync from a single process)")
-            every = converted(model, convert) if convert is not None else all_tensors(model)
+            held = all_tensors(model)
+            layout = WeightLayout.of(model, held, cfg.layout == "checkpoint")  # the engines' names (trainer/layout.py)
+            if sharded and not layout.identity and any(isinstance(s, PeftMerge) for s in layout.conversion.stages):
+                raise ConfigError("a PEFT model on a sharded trainer: asyncsync merges LoRA adapters only in a single "
+                                  "trainer process; merge them yourself and pass convert=, or sync from one process")
+            every = converted(model, convert, layout) if convert is not None else held
             check_tensors(every, sharded)  # no server hears of weights that cannot be sent
             self.runtime = runtime = runtime_for(weights_device(every))
             self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
             if ranks.leader:
-                ties = self._connect_servers(every if convert is not None else model)
+                ties = self._connect_servers(every if convert is not None else model, None if convert else layout)
             else:
                 self._follower = Follower(ranks, runtime)
                 (_, ties) = self._follower.until("names")
+            if convert is None:
+                layout = layout.keeping(ties.drop(held))  # a tied weight's second name is not sent
             self._reader.close()
-            self._reader = WeightsReader(ties, sharded, convert)
+            self._reader = WeightsReader(ties, sharded, convert, layout)
+            self.layout = layout if convert is None else None
             named = self._reader.read(model).tensors()  # this rank's view, read once here
             if ranks.leader:
                 plan, owners = self._plan(named)
@@ -156,7 +172,7 @@ class WeightSync:
             self._connected = False
             self.close()
             raise
-        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes)
+        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes)
         staging = {e.url: e.staging_bytes(plan.total_bytes, m.server_ranks[e.url])  # rank 0's members
                    for m in self._members for e in m.engines if e.url in m.server_ranks}
         self.metrics.staging({u: n for u, n in staging.items() if n is not None})
@@ -164,9 +180,10 @@ class WeightSync:
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
 
-    def _connect_servers(self, weights: Weights) -> TiedNames:
+    def _connect_servers(self, weights: Weights, layout: WeightLayout | None) -> TiedNames:
         """Rank 0 (or the single process): the data-plane groups with every server, then the names
-        sent (``weights``: the module, or the conversion's output), which every rank is told."""
+        sent (``weights``: the module, whose ``layout`` gives the names servers know it by, or the
+        conversion's output), which every rank is told."""
         cfg, ranks = self.config, self.ranks
         self._control = ControlLoop()
         groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
@@ -175,14 +192,21 @@ class WeightSync:
             self._members.append(Membership.connect(group_cfg, self._control, self.metrics, self.runtime, self.session,
                                                     ranks, spread))
         told = [names for m in self._members for names in m.expected_names()]
-        ties = TiedNames.decide(weights, frozenset().union(*told) if told else None)
+        expected = frozenset().union(*told) if told else None
+        if expected is not None and layout is not None:
+            expected = layout.renamed_sources(expected)
+        ties = TiedNames.decide(weights, expected)
         ranks.from_leader(("names", ties))
         return ties
 
     def _plan(self, named: dict[str, Any]) -> tuple[BucketPlan, list[int]]:
         """Rank 0: the bucket plan of its view (global shapes), and each bucket's owner rank."""
         single_dtype = any(m.single_dtype_buckets for m in self._members)
-        plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
+        if self.layout is not None:  # the targets of each conversion group together
+            whole = self.ranks.world > 1 and not self.layout.identity  # each bucket's owner converts whole groups
+            plan = BucketPlan.from_groups(self.layout.target_groups(), self.config.bucket_bytes, single_dtype, whole)
+        else:
+            plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
         sources = self._members[0].sources
         return plan, balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
 
@@ -193,9 +217,12 @@ class WeightSync:
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
         if ranks.world > 1 or (snapshot == "host" and pool is None):
-            layout = ShardLayout.of(plan, named, ranks.world, owners)
-            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None),
-                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot))
+            converts = self.layout is not None and not self.layout.identity
+            assembled = plan if not converts else SourcePlan(tuple(self.layout.source_bucket(b) for b in plan.buckets))
+            layout = ShardLayout.of(assembled, sources(named), ranks.world, owners)
+            conversion = self.layout.conversion if converts else None
+            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion),
+                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
                 lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool))
 
@@ -219,19 +246,22 @@ class WeightSync:
     def memory(self, model: Weights) -> dict[str, dict[str, int]]:
         """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
         async with the snapshot on the device, async with it in host memory), on the weights' device
-        and in host memory, as ``connect`` would allocate them (tied weights once), without any server.
+        and in host memory, as ``connect`` would allocate them (tied weights once), without any server;
+        ``conversion``: the most a version's conversion to the engines' layout allocates at once.
         The buffers are allocated to be measured, then released (``asyncsync doctor`` prints this)."""
         cfg = self.config
-        named = WeightsReader(TiedNames.decide(model, None)).read(model).tensors()
-        self.runtime = runtime_for(weights_device(named))
+        held, ties = all_tensors(model), TiedNames.decide(model, None)
+        self.layout = layout = WeightLayout.of(model, held, cfg.layout == "checkpoint").keeping(ties.drop(held))
+        named = WeightsReader(ties, layout=layout).read(model).tensors()
+        self.runtime = runtime_for(weights_device(held))
         self._packer = get_backend(cfg.pack_backend, self.runtime.device)
-        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes)
+        plan = BucketPlan.from_groups(layout.target_groups(), cfg.bucket_bytes)
         owners = [0] * len(plan.buckets)
         out = {}
         for mode, snapshot in (("blocking", None), ("async_device", "device"), ("async_host", "host")):
             ring, snap = self._buffers(plan, named, owners, snapshot or "device")
             buffers = ring() if snapshot is None else snap()
-            out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes}
+            out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes, "conversion": layout.scratch_bytes(plan)}
             del buffers
         return out
 

@@ -105,7 +105,7 @@ class ReferenceServer:
         self.faults = faults
         self.owners = TrainerOwnership(trainer_lease_s)
         self.serve_lock = threading.Lock()
-        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
+        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock, model=model)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
         # at a lower CPU priority than generation (and so do the threads of the groups it creates).
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=enter_background_thread,

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import GroupSpec, UpdateRequest
+from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class EngineClient(ABC):
         await client.init_group(spec, rank_offset)    # answered once the server's ranks joined (not
                                                       # for a server on shared memory)
         names = await client.expected_names()         # at connect: the tensor names it loads, or None
+        refusal = await client.check_layout(check)    # at connect: None, or why it would refuse the plan
         for version in versions:
             await client.begin(version)
             await client.update(request)              # answered after the server received the buckets
@@ -144,6 +145,13 @@ class EngineClient(ABC):
         default). The trainer uses them only to decide whether a tied weight's second name
         (``lm_head.weight``) is sent: a server that cannot tell is taken to expect a checkpoint saved
         from the model, which stores a tied weight once (``trainer.source.TiedNames``)."""
+        return None
+
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        """At ``connect``: the server's refusal of a plan sending ``check.specs`` (``LAYOUT_REFUSED``
+        and the differences), or None when it loads exactly those tensors or cannot tell (the
+        default: such a server refuses a mismatched version when it arrives)."""
+        log.info("%s cannot check the trainer's tensors before the first version (a %s server)", self.url, self.kind)
         return None
 
     @abstractmethod

@@ -6,7 +6,7 @@ import logging
 
 from asyncsync.engines.base import EngineClient, Generation
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
 from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,17 @@ class ReferenceEngine(EngineClient):
 
     async def expected_names(self) -> frozenset[str]:
         return frozenset((await self.http.get("/weights/names"))["names"])
+
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        try:
+            await self.http.post("/check_layout", check.to_json())
+        except ServerError as e:
+            if e.status == 404:  # an older server: it refuses a mismatched version when it arrives
+                return await super().check_layout(check)
+            if e.status != 409:
+                raise
+            return str(e.detail)
+        return None
 
     async def begin(self, version: int) -> None:
         """Nothing to prepare: the server judges a version in ``/update`` and swaps it in at ``/end``

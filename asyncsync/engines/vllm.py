@@ -26,7 +26,10 @@ nothing for the whole transfer. A failed version is undone by ``abort``: a ``Dis
 vLLM 0.32's routes cannot tell the trainer which tensor names the engine expects (the checkpoint's):
 ``/init_weight_transfer_engine`` answers a fixed message, ``/weight_info`` only the version, and
 ``/collective_rpc`` calls only methods of vLLM's worker. So ``expected_names`` stays None: the
-trainer sends a tied weight once, as the checkpoint saved from a tied model stores it.
+trainer sends a tied weight once, as the checkpoint saved from a tied model stores it. What the
+worker can do is judge: at ``connect``, ``check_layout`` sends the plan's tensors as a
+``LayoutCheck`` in ``/update_weights`` (inside a start/finish pair) and the worker refuses it,
+naming the differences, when the checkpoint it loaded has other tensors.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
-from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,24 @@ class VllmEngine(EngineClient):
             await self._discard(version)
             await self.http.post("/start_weight_update")
         self._open = True
+
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        """Inside an update session (vLLM's routes carry nothing else to the worker): the worker refuses
+        the check when the checkpoint it loaded has other tensors, and vLLM then ends the session."""
+        await self.begin(0)  # opens the session (pausing nothing: no version follows)
+        try:
+            await self.http.post("/update_weights", {"update_info": check.to_json()})
+        except ServerError as e:
+            if e.status is None:
+                raise
+            self._open = False
+            return str(e.detail)
+        finally:
+            if self._open:
+                self._open = False
+                await self.http.post("/finish_weight_update")
+            await self._resume()
+        return None
 
     async def update(self, request: UpdateRequest) -> None:
         """In the background mode answered at once; otherwise once the version is loaded. A refused or

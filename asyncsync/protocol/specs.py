@@ -206,6 +206,28 @@ class BucketPlan:
         return self.mismatch(named) is None
 
 
+# Every refusal of a version for its layout (names, dtypes, shapes) says this: the same plan would be
+# refused again at every version, so the trainer reports it as an error rather than a transient refusal.
+LAYOUT_REFUSED = "the tensors sent differ from the ones this server loads"
+
+
+def layout_mismatch(loads: Mapping[str, TensorSpec], sent: Iterable[TensorSpec], shown: int = 3) -> str | None:
+    """None when ``sent`` is exactly the tensors a server ``loads`` (names, dtypes, shapes, each once);
+    else ``LAYOUT_REFUSED`` and the first few differences on both sides, counted, summaries first."""
+    seen: dict[str, TensorSpec] = {}
+    twice: list[str] = []
+    for spec in sent:
+        (twice.append(spec.name) if spec.name in seen else seen.__setitem__(spec.name, spec))
+    unknown = [n for n in seen if n not in loads]
+    missing = [n for n in loads if n not in seen]
+    other = [f"'{n}' {seen[n].dtype} {seen[n].shape} (loads {w.dtype} {w.shape})" for n, w in loads.items()
+             if n in seen and (w.dtype, w.shape) != (seen[n].dtype, seen[n].shape)]
+    parts = [f"{len(names)} {what}, e.g. {', '.join(f(n) for n in names[:shown])}" for names, what, f in (
+        (missing, "tensor(s) it loads are not sent", repr), (unknown, "tensor(s) sent that it does not load", repr),
+        (other, "tensor(s) with another dtype or shape", str), (twice, "tensor(s) sent twice", repr)) if names]
+    return f"{LAYOUT_REFUSED}: " + "; ".join(parts) if parts else None
+
+
 def byte_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A typed view of ``shape`` at ``offset`` bytes into a flat uint8 buffer (no copy)."""
     return buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)

@@ -21,8 +21,8 @@ from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup
 from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
-from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest, WireError
+from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, TensorSpec, layout_mismatch, unpack
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, LayoutCheck, UpdateRequest, WireError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ MAX_REPORTED_PROBLEMS = 5
 
 
 class VersionRejected(Exception):
-    """A version was received but not applied; the old weights keep serving. The message says why."""
+    """A version was received but not applied; the old weights keep serving. The message says why;
+    one refused for its layout says ``specs.LAYOUT_REFUSED``: every version of that plan would be."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,7 @@ class BucketStager:
         expected = torch.zeros(n, dtype=torch.int64, device=group.device)
         manifest = group.broadcast_async(expected, req.deadline_s(n)) if req.checksum else None
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        specs = [s for b in buckets for s in b.specs]
-        problems = self._check_specs(specs, set()) + self._check_complete(list(buckets), req.version, served_version)
+        problems = self._check_complete(list(buckets), req.version, served_version)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
         crcs = []
         for buf, (source, work) in zip(target.buffers, works):
@@ -184,8 +184,7 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
                                   f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_specs([s for b in buckets for s in b.specs], set())
-        problems += self._check_complete(list(buckets), req.version, served_version)
+        problems = self._check_complete(list(buckets), req.version, served_version)
         _reject_if(problems, req.version)
         try:
             mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
@@ -298,16 +297,24 @@ class BucketStager:
             elif (want.dtype, want.shape) != (spec.dtype, spec.shape):
                 problems.append(f"'{spec.name}': got {spec.dtype} {spec.shape}, expected {want.dtype} {want.shape}")
             seen.add(spec.name)
-        return problems
+        return [f"{LAYOUT_REFUSED}: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS])] if problems else []
 
     def _check_complete(self, buckets: list[Bucket], version: int, served_version: int) -> list[str]:
         problems = []
         if version <= served_version:
             problems.append(f"version {version} is not newer than the served version {served_version}")
-        missing = sorted(set(self.expected) - {s.name for b in buckets for s in b.specs})
-        if missing:
-            problems.append(f"{len(missing)} tensor(s) missing from the version, e.g. '{missing[0]}'")
+        sent = [s for b in buckets for s in b.specs]
+        if any(s.name not in self.expected for s in sent) or len({s.name for s in sent}) < len(self.expected):
+            problems.insert(0, layout_mismatch(self.expected, sent) or "")  # first: what the server loads
         return problems
+
+    def check_layout(self, check: LayoutCheck) -> None:
+        """Raise ``VersionRejected`` (saying ``LAYOUT_REFUSED`` and the differences) unless the trainer
+        plans to send exactly the tensors this receiver expects: asked at the trainer's ``connect``."""
+        problem = layout_mismatch(self.expected, check.specs)
+        if problem is not None:
+            log.warning("the trainer's plan was refused: %s", problem)
+            raise VersionRejected(problem)
 
     def mark_live(self, staged: StagedVersion) -> None:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""

@@ -259,6 +259,33 @@ class DiscardRequest:
 
 
 @dataclass(frozen=True)
+class LayoutCheck:
+    """Asks a receiver, at ``connect``, whether it loads exactly these tensors; it refuses (an error
+    that says ``specs.LAYOUT_REFUSED`` and the differences) if not. Carried where an ``UpdateRequest``
+    would be (vLLM's ``update_info``: its routes cannot tell the trainer what the engine loads)."""
+
+    specs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"check": [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LayoutCheck:
+        entries = _field(data, "check", list, "check")
+        specs = []
+        for i, entry in enumerate(entries):
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], str)
+                    and isinstance(entry[2], list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                           for x in entry[2])):
+                raise WireError(f"check[{i}]: expected [name, dtype, [sizes...]], got {str(entry)[:100]}")
+            try:
+                specs.append(TensorSpec(entry[0], dtype_from_name(entry[1]), tuple(entry[2])))
+            except ValueError as e:
+                raise WireError(f"check[{i}]: {e}") from None
+        return cls(tuple(specs))
+
+
+@dataclass(frozen=True)
 class VersionRequest:
     """``begin`` and ``end`` carry only the version they are about."""
 

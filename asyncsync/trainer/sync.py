@@ -161,6 +161,7 @@ class WeightSync:
             named = self._reader.read(model).tensors()  # this rank's view, read once here
             if ranks.leader:
                 plan, owners = self._plan(named)
+                self._check_layouts(plan)  # a plan a server would refuse at every version fails here
                 ranks.from_leader(("ready", (plan, owners)))
             else:
                 (_, (plan, owners)) = self._follower.until("ready")
@@ -198,6 +199,23 @@ class WeightSync:
         ties = TiedNames.decide(weights, expected)
         ranks.from_leader(("names", ties))
         return ties
+
+    def _check_layouts(self, plan: BucketPlan) -> None:
+        """Rank 0: raise ``ConfigError`` when a server says it does not load exactly the plan's
+        tensors (names, dtypes, shapes): the first few differences on both sides, and the fix."""
+        refused = {url: why for m in self._members for url, why in m.layout_refusals(plan.specs).items()}
+        if not refused:
+            return
+        url, why = next(iter(refused.items()))
+        if self.config.layout == "trainer":
+            fix = "set layout: checkpoint to send a transformers model as its checkpoint stores it"
+        elif self.layout is not None and self.layout.identity:
+            fix = ("pass convert= to connect() mapping the trainer's names and layouts to those the server loads, or "
+                   "serve the model the trainer trains (saved with save_pretrained)")
+        else:
+            fix = ("the trainer's model was converted to its checkpoint layout (layout: checkpoint); serve a checkpoint "
+                   "saved from this model (save_pretrained), or pass convert= mapping the names to those the server loads")
+        raise ConfigError(f"{len(refused)} server(s) would refuse every version: {url}: {why}. Fix: {fix}")
 
     def _plan(self, named: dict[str, Any]) -> tuple[BucketPlan, list[int]]:
         """Rank 0: the bucket plan of its view (global shapes), and each bucket's owner rank."""
@@ -237,11 +255,14 @@ class WeightSync:
         if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
             served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
+            reachable = lambda: any(m.reachable() for m in self._members)  # noqa: E731
         else:
             senders = [lambda v, src, res: self._follow(v, src) or res]
             served = lambda needed: min(self.server_versions.values(), default=needed)  # noqa: E731
+            reachable = lambda: True  # noqa: E731
         assert self.runtime is not None
-        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served)
+        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served,
+                                  reachable)
 
     def memory(self, model: Weights) -> dict[str, dict[str, int]]:
         """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
@@ -357,7 +378,8 @@ class WeightSync:
 
     def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool:
         """Wait until every server is within ``max_staleness`` of ``trainer_version`` (async mode);
-        rollouts generated afterwards are fresh enough. False on timeout."""
+        rollouts generated afterwards are fresh enough. False on timeout, and as soon as no server
+        can get there (every one evicted, or refusing this plan's layout: ``errors`` says why)."""
         needed = trainer_version - self.config.max_staleness
         if self._worker is None:
             return lowest_member_version(self._members, needed) >= needed
@@ -386,6 +408,9 @@ class WeightSync:
         if self._worker is not None:
             self._worker.close()
             self._errors_at_close = self._worker.errors
+            if self._errors_at_close:
+                log.error("%d version(s) could not be sent (sync.errors): the last: %s", len(self._errors_at_close),
+                          self._errors_at_close[-1])
             lost = lost or self._worker.lost
             self._worker = None
         if self._connected and self.ranks.world > 1 and lost is None:  # connected: the ranks part together

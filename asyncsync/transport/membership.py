@@ -38,7 +38,8 @@ from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import OWNED_STATUS
+from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.wire import OWNED_STATUS, LayoutCheck
 from asyncsync.trainer.metrics import SyncMetrics
 from asyncsync.trainer.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
@@ -88,6 +89,9 @@ class Membership:
         self.shared: set[str] = set()  # members that map versions from shared memory (no data-plane group)
         self.pool: SegmentPool | None = None  # the shared-memory segments (set by WeightSync once it planned)
         self.evicted: dict[str, str] = {}
+        # Members that refused the last version for its layout (``specs.LAYOUT_REFUSED``): they would
+        # refuse every version of this plan, so no later version can reach them either.
+        self.refusing: dict[str, str] = {}
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
@@ -132,6 +136,19 @@ class Membership:
             if isinstance(answer, BaseException):
                 log.warning("%s did not say which tensors it expects: %s", url, answer)
         return [a for a in answers.values() if isinstance(a, frozenset)]
+
+    def layout_refusals(self, specs: tuple[TensorSpec, ...]) -> dict[str, str]:
+        """Asked at connect: each member that would refuse a plan sending ``specs``, and why. A server
+        that fails to answer is counted as one that cannot tell: it still refuses a bad version."""
+        answers = self.call_all(self.members, lambda e: e.check_layout(LayoutCheck(specs)), "check_layout")
+        for url, answer in answers.items():
+            if isinstance(answer, BaseException):
+                log.warning("%s did not check the trainer's tensors: %s", url, answer)
+        return {url: answer for url, answer in answers.items() if isinstance(answer, str)}
+
+    def reachable(self) -> bool:
+        """Whether a later version can still reach a server: some member does not refuse this plan."""
+        return any(e.url not in self.refusing for e in self.members)
 
     def member_versions(self) -> dict[str, int]:
         """The versions of the servers currently in the groups (evicted ones excluded)."""

@@ -26,7 +26,7 @@ import torch
 from asyncsync.engines.base import EngineClient
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.group import DataPlaneError
-from asyncsync.protocol.specs import Bucket, BucketPlan
+from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
@@ -171,6 +171,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.switch_s = {e.url: e.last_switch_s for e in took
                        if e.url in result.server_versions and e.last_switch_s is not None}
     members.server_versions.update(result.server_versions)
+    for url in result.server_versions:
+        members.refusing.pop(url, None)
     if members.pool is not None:
         for e in took:
             if e.url in members.shared and e.url in result.server_versions:
@@ -181,6 +183,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     for url, err in failures.items():
         if url not in unreachable:
             members.metrics.event("refused", url, version, str(err))
+            if LAYOUT_REFUSED in str(err):  # every later version of this plan would be refused too
+                members.refusing[url] = str(err)
     for url in unreachable:
         members.evict(url, result.failures[url])
         if members.pool is not None and url in requests:

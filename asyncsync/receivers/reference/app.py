@@ -55,7 +55,7 @@ from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import (
-    OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest, WireError,
+    OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest, WireError,
 )
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
@@ -120,7 +120,7 @@ class ReferenceServer:
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/host", self.host), web.get("/weights/digest", self.digest),
-            web.get("/weights/names", self.names),
+            web.get("/weights/names", self.names), web.post("/check_layout", self.check_layout),
             web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
             web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
@@ -210,6 +210,11 @@ class ReferenceServer:
 
     async def names(self, _r: web.Request) -> web.Response:
         return web.json_response({"names": self.receiver.expected_names})
+
+    async def check_layout(self, request: web.Request) -> web.Response:
+        """409 naming the differences unless a trainer's plan sends exactly the tensors served."""
+        self.receiver.stager.check_layout(LayoutCheck.from_json(await _json(request)))
+        return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -52,7 +52,7 @@ from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
-from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,11 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
         return InitGroupRequest.from_json(init_dict)
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest | DiscardRequest:  # type: ignore[override]
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest | DiscardRequest | LayoutCheck:  # type: ignore[override]
         if isinstance(update_dict, dict) and "discard" in update_dict:
             return DiscardRequest.from_json(update_dict)
+        if isinstance(update_dict, dict) and "check" in update_dict:
+            return LayoutCheck.from_json(update_dict)
         return UpdateRequest.from_json(update_dict)
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
@@ -100,8 +102,12 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
         """``in_rpc``: receive, verify and load the version here. ``background``: start receiving it
-        on the worker thread and return at once. A ``DiscardRequest`` drops a background version."""
+        on the worker thread and return at once. A ``DiscardRequest`` drops a background version; a
+        ``LayoutCheck`` (the trainer's ``connect``) raises unless it names the checkpoint's tensors."""
         request = self.parse_update_info(update_info)
+        if isinstance(request, LayoutCheck):
+            self.stager.check_layout(request)
+            return
         if isinstance(request, DiscardRequest):
             self.background.cancel()
             log.info("discarded version %d", request.version)

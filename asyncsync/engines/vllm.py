@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -105,7 +106,7 @@ class VllmEngine(EngineClient):
             if e.status is None:
                 raise
             self._open = False
-            return str(e.detail)
+            return worker_error(str(e.detail))
         finally:
             if self._open:
                 self._open = False
@@ -220,3 +221,9 @@ class VllmEngine(EngineClient):
             raise ServerError(self.url, f"{SCALE_OUT_GENERATE} reported no weight versions for the completions")
         return Generation([c["token_ids"] for c in choices], min(versions),
                           exact=len(versions) == 1 and self.server.pause)
+
+
+def worker_error(detail: str) -> str:
+    """The worker's own message inside vLLM's wrapping of an RPC that raised."""
+    found = re.search(r"Worker failed with error '(.*)', please check", detail, re.DOTALL)
+    return found.group(1) if found else detail

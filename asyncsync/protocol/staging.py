@@ -303,10 +303,8 @@ class BucketStager:
         problems = []
         if version <= served_version:
             problems.append(f"version {version} is not newer than the served version {served_version}")
-        sent = [s for b in buckets for s in b.specs]
-        if any(s.name not in self.expected for s in sent) or len({s.name for s in sent}) < len(self.expected):
-            problems.insert(0, layout_mismatch(self.expected, sent) or "")  # first: what the server loads
-        return problems
+        mismatch = layout_mismatch(self.expected, [s for b in buckets for s in b.specs])
+        return [mismatch, *problems] if mismatch else problems  # first: what the server loads
 
     def check_layout(self, check: LayoutCheck) -> None:
         """Raise ``VersionRejected`` (saying ``LAYOUT_REFUSED`` and the differences) unless the trainer

@@ -140,12 +140,15 @@ class WeightSync:
                 raise ConfigError("group_per_server: a sharded trainer's ranks send every version together; set it "
                                   "to false (or sync from a single process)")
             held = all_tensors(model)
+            if convert is None:
+                check_tensors(held, sharded)  # no server hears of weights that cannot be sent
             layout = WeightLayout.of(model, held, cfg.layout == "checkpoint")  # the engines' names (trainer/layout.py)
             if sharded and not layout.identity and any(isinstance(s, PeftMerge) for s in layout.conversion.stages):
                 raise ConfigError("a PEFT model on a sharded trainer: asyncsync merges LoRA adapters only in a single "
                                   "trainer process; merge them yourself and pass convert=, or sync from one process")
             every = converted(model, convert, layout) if convert is not None else held
-            check_tensors(every, sharded)  # no server hears of weights that cannot be sent
+            if convert is not None:
+                check_tensors(every, sharded)
             self.runtime = runtime = runtime_for(weights_device(every))
             self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
             if ranks.leader:

@@ -10,7 +10,9 @@ that also runs the forward passes: while an RPC runs, vLLM generates nothing. Pe
    refused before the model is touched;
 2. only then open vLLM's layerwise reload, ``model.load_weights`` the whole version (HF checkpoint
    names), and close the reload, even when loading raises;
-3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``).
+3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``),
+   and the MoE experts kernel's own post-load step that vLLM's weight-update path skips
+   (``receivers/vllm/experts.py``: on CPU, the grouped-GEMM prepack).
 
 Where step 1 runs is the request's ``receive`` mode:
 
@@ -53,6 +55,7 @@ from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.receivers.vllm.experts import ExpertKernels
 from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
                                    runtime_for(torch.device(device)), arena=True)
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
         self.ties = TiedModules(model)
+        self.experts = ExpertKernels(model)
         self.background = BackgroundReceive(self.stager, lambda staged: self.ties.check(staged.version))
         log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
 
@@ -152,6 +156,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
+        self.experts.reprocess(loaded)
         self.version = staged.version
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)

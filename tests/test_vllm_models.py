@@ -137,7 +137,7 @@ def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any
     checks vLLM's tokens against the unsharded model's own greedy decode."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     model = load(Path(model_dir))
     reference = load(Path(model_dir))  # unsharded, updated with the same steps on every rank
@@ -152,8 +152,12 @@ def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any
             sync.connect(model)
             version += 1
             sync.wait_snapshot()
-            perturb(model.parameters(), version)  # the same draw on each rank: its shard of the global noise
-            perturb(reference.parameters(), version)
+            g = torch.Generator().manual_seed(version)  # the same draw on each rank
+            with torch.no_grad():
+                for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+                    noise = torch.randn(r.shape, generator=g) * 0.3
+                    r.add_(noise)
+                    p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
             sync.publish(model, version)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
         assert all(torch.equal(full[n], p) for n, p in reference.named_parameters()), "the two trainers agree"

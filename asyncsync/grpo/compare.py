@@ -48,8 +48,11 @@ class ModeFigures:
     step_s: float          # wall time per step (the run's wall / steps)
     stall_s: float         # mean time per step the sync held the trainer (wait_snapshot + publish)
     sync_s: float          # median duration of one sync (blocking: inside the step; async: in the background)
+    rollout_s: float       # mean time per step waiting for rollouts
+    train_s: float         # mean time per step computing the loss and the optimizer steps
     max_version_lag: int
     superseded: int
+    evictions: int         # servers evicted (no answer within a deadline) during the run
     rewards: list[float] = field(default_factory=list)
 
     @classmethod
@@ -58,8 +61,11 @@ class ModeFigures:
         syncs = sorted(r.sync_s for r in records) or [0.0]
         return cls(mode=s.mode, steps=s.steps, steps_per_s=s.steps_per_s, step_s=s.wall_s / max(1, s.steps),
                    stall_s=statistics.mean(r.stall_s for r in records) if records else 0.0,
-                   sync_s=syncs[len(syncs) // 2], max_version_lag=s.max_version_lag,
-                   superseded=int(s.sync_metrics.get("superseded", 0)), rewards=[r.reward for r in records])
+                   sync_s=syncs[len(syncs) // 2], rollout_s=statistics.mean(r.rollout_s for r in records) if records else 0.0,
+                   train_s=statistics.mean(r.train_s for r in records) if records else 0.0,
+                   max_version_lag=s.max_version_lag, superseded=int(s.sync_metrics.get("superseded", 0)),
+                   evictions=sum(e.get("kind") == "evicted" for e in s.sync_metrics.get("events", [])),
+                   rewards=[r.reward for r in records])
 
     @property
     def reward_first(self) -> float:
@@ -71,9 +77,11 @@ class ModeFigures:
 
     def line(self) -> str:
         every = max(1, len(self.rewards) // 12)
-        return (f"[{self.mode}] {self.steps} steps, {self.steps_per_s:.2f} steps/s ({self.step_s * 1e3:.0f} ms a step); "
-                f"the sync held the trainer {self.stall_s * 1e3:.0f} ms a step (one sync {self.sync_s * 1e3:.0f} ms); "
-                f"version lag <= {self.max_version_lag}, {self.superseded} superseded; reward "
+        evicted = f", {self.evictions} eviction(s)" if self.evictions else ""
+        return (f"[{self.mode}] {self.steps} steps, {self.steps_per_s:.2f} steps/s ({self.step_s * 1e3:.0f} ms a step: "
+                f"rollouts {self.rollout_s * 1e3:.0f}, training {self.train_s * 1e3:.0f}, held by the sync "
+                f"{self.stall_s * 1e3:.0f}; one sync {self.sync_s * 1e3:.0f} ms); version lag <= {self.max_version_lag}, "
+                f"{self.superseded} superseded{evicted}; reward "
                 f"{self.reward_first:.2f} -> {self.reward_last:.2f}: " + " ".join(f"{r:.2f}" for r in self.rewards[::every]))
 
 
@@ -179,7 +187,9 @@ def on_link(cfg: GRPOConfig, progress: bool, overrides: Sequence[str], config_pa
     with tempfile.TemporaryDirectory(prefix="asyncsync-link-") as tmp:
         out = os.path.join(tmp, "figures.json")
         settings = [*overrides, f"link_gbit={link.gbit:g}", "weight_sync.transport=collective"]
-        cmd = [sys.executable, "-m", "asyncsync.grpo.compare", "--out", out, "--regime", f"link {link.gbit:g} gbit",
+        # In the namespace no host name resolves: torch's TCPStore would warn at every connection.
+        cmd = ["env", "TORCH_CPP_LOG_LEVEL=ERROR", sys.executable, "-m", "asyncsync.grpo.compare", "--out", out,
+               "--regime", f"link {link.gbit:g} gbit",
                "--modes", ",".join("async" if m else "blocking" for m in modes),
                *(["--config", config_path] if config_path else []), *([] if progress else ["--quiet"]), *settings]
         done = netns.run(link, cmd, timeout_s=LINK_RUN_TIMEOUT_S)

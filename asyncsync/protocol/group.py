@@ -11,6 +11,12 @@ asyncsync's own receivers warm every group with one small broadcast right after 
 initialised NCCL communicator deadlocks when its first use comes under memory pressure in the middle
 of a sync. SGLang does not take part in such a broadcast, so its groups are joined with ``warmup=False``.
 
+The rendezvous gives up at the group's ``timeout_s`` however the other side behaves: torch's
+``TCPStore`` client waits without a deadline for a peer that accepts the connection and never
+answers, so the rendezvous runs on a thread of its own, which the joining thread leaves at the
+deadline (or when another thread abandons the join: ``Abandoner``), shutting down the connection to
+the store so that the rendezvous thread ends too.
+
 What differs between gloo and NCCL (which stream a collective waits on, what a wait blocks, how a
 failed group is torn down, the enqueue lock) is the member's ``Runtime`` (``protocol.device``).
 """
@@ -18,7 +24,11 @@ failed group is torn down, the enqueue lock) is the member's ``Runtime`` (``prot
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +41,8 @@ from asyncsync.protocol.wire import GroupSpec
 log = logging.getLogger(__name__)
 
 _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}  # the device type torch's _new_process_group_helper adds
+RENDEZVOUS_GRACE_S = 1.0  # past timeout_s: torch's own deadlines fire first wherever the peer answers at all
+_POLL_S = 0.05  # how often a joining thread looks whether its join was abandoned
 
 
 class DataPlaneError(RuntimeError):
@@ -51,6 +63,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Abandoner:
+    """Lets one thread give up the rendezvous another thread is in (a server whose trainer asks for a
+    new group, or releases it, while a join hangs on a silent peer): ``watch()`` when a join starts,
+    ``abandon()`` from anywhere; the join then fails at once with ``DataPlaneError``."""
+
+    def __init__(self) -> None:
+        self._epoch = 0
+
+    def abandon(self) -> None:
+        self._epoch += 1
+
+    def watch(self) -> Callable[[], bool]:
+        """For a join starting now: whether ``abandon`` was called since."""
+        epoch = self._epoch
+        return lambda: self._epoch != epoch
 
 
 class Work:
@@ -83,29 +112,17 @@ class DataPlaneGroup:
         return self.runtime.device
 
     @classmethod
-    def join(cls, spec: GroupSpec, rank: int, runtime: Runtime, warmup: bool = True) -> DataPlaneGroup:
-        """Join as ``rank``; blocks until every rank joined. Every member must agree on ``warmup``.
-        ``runtime`` is the member's device: its data-plane backend must be the group's."""
+    def join(cls, spec: GroupSpec, rank: int, runtime: Runtime, warmup: bool = True,
+             abandoner: Abandoner | None = None) -> DataPlaneGroup:
+        """Join as ``rank``; blocks until every rank joined, and raises ``DataPlaneError`` by
+        ``spec.timeout_s`` (+ ``RENDEZVOUS_GRACE_S``) whatever the peer does, or as soon as
+        ``abandoner`` abandons the join. Every member must agree on ``warmup``. ``runtime`` is the
+        member's device: its data-plane backend must be the group's."""
         if spec.backend != runtime.wire_backend:
             raise DataPlaneError(f"rank {rank}: the group '{spec.group_name}' uses {spec.backend}, but this member's "
                                  f"tensors are on {runtime.device}, which takes {runtime.wire_backend}: put both sides' "
                                  "weights on the same kind of device or set the trainer's backend to match")
-        timeout = timedelta(seconds=spec.timeout_s)
-        try:
-            store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-        except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
-            raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
-        # SGLang's key layout: {name}/{name}//{device}//<key>
-        named = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
-        try:
-            with scoped_env(runtime.group_env):  # the group's error policy, read by its constructor
-                pg = runtime.process_group(PrefixStore(_DEVICE_PREFIX[spec.backend], named), rank, spec.world_size, timeout)
-            pg._set_sequence_number_for_group()  # rank 0 publishes it, the others wait for it: torch does the same
-        except Exception as e:
-            raise DataPlaneError(
-                f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
-                f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
-            ) from e
+        store, pg = _rendezvous(spec, rank, runtime, abandoner.watch() if abandoner else lambda: False)
         group = cls(spec, rank, store, pg, runtime)
         if warmup:
             group.broadcast(torch.zeros(1, dtype=torch.uint8, device=runtime.device))
@@ -155,3 +172,86 @@ class DataPlaneGroup:
             (self.runtime.abort if broken else self.runtime.shutdown)(pg)
         except Exception as e:  # the group is gone either way
             log.debug("closing group %s: %s", self.spec.group_name, e)
+
+
+def _form(spec: GroupSpec, rank: int, runtime: Runtime) -> tuple[TCPStore, Any]:
+    """The rendezvous store and the process group (blocking; ``_rendezvous`` bounds it)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    try:
+        store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
+        raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
+    # SGLang's key layout: {name}/{name}//{device}//<key>
+    named = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
+    try:
+        with scoped_env(runtime.group_env):  # the group's error policy, read by its constructor
+            pg = runtime.process_group(PrefixStore(_DEVICE_PREFIX[spec.backend], named), rank, spec.world_size, timeout)
+        pg._set_sequence_number_for_group()  # rank 0 publishes it, the others wait for it: torch does the same
+    except Exception as e:
+        raise DataPlaneError(
+            f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
+            f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
+        ) from e
+    return store, pg
+
+
+def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callable[[], bool]) -> tuple[TCPStore, Any]:
+    """``_form`` on a thread of its own, waited for until ``spec.timeout_s`` + ``RENDEZVOUS_GRACE_S``
+    or until ``abandoned()``. A rendezvous given up has its connection to the store shut down, so the
+    thread, blocked in torch on a silent peer, ends too. The thread inherits the caller's CPU
+    priority and cores (and so do the group's own threads)."""
+    before = _socket_fds()
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            runtime.enter_thread()
+            outcome.append(_form(spec, rank, runtime))
+        except BaseException as e:  # handed to the joining thread
+            outcome.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="asyncsync-rendezvous", daemon=True).start()
+    give_up = time.monotonic() + spec.timeout_s + RENDEZVOUS_GRACE_S
+    while not done.wait(_POLL_S):
+        why = ("was abandoned (a newer join or a release)" if abandoned() else
+               f"got no answer within {spec.timeout_s:g}s" if time.monotonic() > give_up else None)
+        if why is not None:
+            shut = _shut_new_connections(spec.port, before)
+            log.warning("rank %d: rendezvous at %s:%d %s; %d connection(s) shut", rank, spec.host, spec.port, why, shut)
+            raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} {why}: is the trainer's "
+                                 "rendezvous store listening there?")
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _socket_fds() -> set[int]:
+    """This process's open file descriptors (Linux: /proc/self/fd); empty where they cannot be listed."""
+    try:
+        return {int(fd) for fd in os.listdir("/proc/self/fd")}
+    except OSError:
+        return set()
+
+
+def _shut_new_connections(port: int, before: set[int]) -> int:
+    """Shut down (both ways) this process's TCP connections to remote ``port`` opened since ``before``
+    was listed: a rendezvous thread blocked reading from its store then returns with an error. Returns
+    how many were shut; 0 where file descriptors cannot be listed (the thread then ends whenever the
+    peer closes, and only its socket is held meanwhile)."""
+    shut = 0
+    for fd in _socket_fds() - before:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:  # closing the duplicate leaves ``fd`` open
+                if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
+                        and s.getpeername()[1] == port:
+                    s.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except OSError:  # closed meanwhile, not connected, not ours to read
+            continue
+    return shut

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncsync.protocol.device import runtime_for
-from asyncsync.protocol.group import DataPlaneGroup
+from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
@@ -34,13 +34,15 @@ class WeightReceiver:
     model will use (no unpack copy), and the buffers backing the live weights are never received into.
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0):
+    def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0,
+                 max_version_bytes: int | None = None, abandoner: Abandoner | None = None):
         self._live = dict(weights)
         self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
         self.version = version
         self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
-        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime)
+        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime,
+                                   max_version_bytes=max_version_bytes, abandoner=abandoner)
         self._staged: StagedVersion | None = None
         self.last_switch_s = 0.0  # how long the last commit held generation (``serve_lock``)
 

@@ -67,8 +67,8 @@ from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import (
-    OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest,
-    WireError, short, shown,
+    MAX_SESSION_CHARS, OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest,
+    VersionRequest, WireError, sane_text, short, shown,
 )
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
@@ -301,8 +301,13 @@ class ReferenceServer:
 
 
 def _session(request: web.Request) -> str:
-    """The calling trainer's session ("" for callers that send none)."""
-    return request.headers.get(SESSION_HEADER, "")
+    """The calling trainer's session ("" for callers that send none); ``WireError`` for a value no
+    trainer sends (``ClaimRequest``'s rule)."""
+    session = request.headers.get(SESSION_HEADER, "")
+    if session and not sane_text(session, MAX_SESSION_CHARS):
+        raise WireError(f"{SESSION_HEADER}: expected a printable string of 1 to {MAX_SESSION_CHARS} characters, "
+                        f"got {shown(session)}")
+    return session
 
 
 async def _json(request: web.Request) -> dict[str, Any]:

@@ -14,7 +14,6 @@ so a hostile request can neither crash a receiver nor make it answer with its ow
 
 from __future__ import annotations
 
-import math
 import reprlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -192,8 +191,8 @@ class BucketMeta:
         return meta
 
     def to_bucket(self, index: int, where: str = "bucket") -> Bucket:
-        """Rebuild the bucket with offsets implied by order; rejects misaligned, mis-sized or
-        overflowing layouts (no tensor, and no bucket, past ``MAX_BYTES``)."""
+        """Rebuild the bucket with offsets implied by order; rejects misaligned or mis-sized layouts
+        (``nbytes`` is at most ``MAX_BYTES``, so no shape whose product passes it is accepted)."""
         specs, offsets, offset = [], [], 0
         for i, (name, d, shape) in enumerate(zip(self.names, self.dtypes, self.shapes)):
             try:
@@ -203,9 +202,6 @@ class BucketMeta:
             if offset % spec.itemsize:
                 raise WireError(f"{where}: tensor {shown(name)} would start at byte {offset}, not a multiple of its "
                                 f"item size {spec.itemsize}")
-            if math.prod(shape) > MAX_BYTES // spec.itemsize or offset + spec.nbytes > MAX_BYTES:
-                raise WireError(f"{where}.shapes[{i}]: {shown(name)} of shape {shown(list(shape))} would pass "
-                                f"{MAX_BYTES} bytes")
             specs.append(spec)
             offsets.append(offset)
             offset += spec.nbytes

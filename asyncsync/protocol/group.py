@@ -200,7 +200,7 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
     or until ``abandoned()``. A rendezvous given up has its connection to the store shut down, so the
     thread, blocked in torch on a silent peer, ends too. The thread inherits the caller's CPU
     priority and cores (and so do the group's own threads)."""
-    before = _socket_fds()
+    before = set(_sockets().values())
     outcome: list[Any] = []
     done = threading.Event()
 
@@ -229,29 +229,39 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
     return result
 
 
-def _socket_fds() -> set[int]:
-    """This process's open file descriptors (Linux: /proc/self/fd); empty where they cannot be listed."""
+def _sockets() -> dict[int, str]:
+    """This process's sockets: file descriptor -> its inode (``socket:[n]``, unique while the socket
+    lives, unlike descriptor numbers, which are reused at once). Empty where /proc cannot be read."""
+    found = {}
     try:
-        return {int(fd) for fd in os.listdir("/proc/self/fd")}
+        fds = os.listdir("/proc/self/fd")
     except OSError:
-        return set()
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:"):
+            found[int(fd)] = target
+    return found
 
 
-def _shut_new_connections(port: int, before: set[int]) -> int:
-    """Shut down (both ways) this process's TCP connections to remote ``port`` opened since ``before``
-    was listed: a rendezvous thread blocked reading from its store then returns with an error. Returns
-    how many were shut; 0 where file descriptors cannot be listed (the thread then ends whenever the
+def _shut_new_connections(port: int, before: set[str]) -> int:
+    """Shut down (both ways) this process's TCP connections to remote ``port`` that are not among the
+    sockets ``before``: a rendezvous thread blocked reading from its store then returns with an error.
+    Returns how many were shut; 0 where sockets cannot be listed (the thread then ends whenever the
     peer closes, and only its socket is held meanwhile)."""
     shut = 0
-    for fd in _socket_fds() - before:
+    for fd, inode in _sockets().items():
+        if inode in before:
+            continue
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
             with socket.socket(fileno=os.dup(fd)) as s:  # closing the duplicate leaves ``fd`` open
                 if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
                         and s.getpeername()[1] == port:
                     s.shutdown(socket.SHUT_RDWR)
                     shut += 1
-        except OSError:  # closed meanwhile, not connected, not ours to read
+        except OSError:  # closed meanwhile, or not connected
             continue
     return shut

@@ -1,0 +1,255 @@
+"""Group members and rendezvous peers that lie or say nothing: a reference server (in a child
+process, so a crash would show as its exit) refuses what they send without aborting, keeps serving
+the same tokens, and takes a valid version afterwards, bit-exact; every wait on a silent peer ends by
+its own deadline, and a stalled join never holds the owner's next calls past it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
+from asyncsync.models import build_model
+from asyncsync.protocol.device import HostRuntime
+from asyncsync.protocol.frames import FrameHeader, VersionFrames
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
+from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.wire import SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.receivers.reference.app import ReferenceServer
+from asyncsync.testing import ServerProcess, mixed_dtype_model
+from asyncsync.transport.topology import TrainerGroups
+
+from conftest import TINY
+from helpers import ThreadedServer, Trainer, call, digest, weights
+
+PROMPT = {"prompt": [5, 6, 7], "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(mixed_dtype_model, (TINY,)) as started:
+        yield started
+
+
+def served(server: ServerProcess) -> tuple[Any, Any]:
+    return server.get("/weights/digest"), server.post("/generate", PROMPT)
+
+
+class LyingTrainer:
+    """Rank 0 of a group with the server, sending whatever it likes on the data plane."""
+
+    def __init__(self, server: ServerProcess):
+        self.url = server.url
+        self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"liar{free_port()}", "gloo", 10.0)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(call, self.url, "POST", "/init_group", InitGroupRequest(self.spec, 1).to_json())
+            self.group = DataPlaneGroup.join(self.spec, 0, HostRuntime())
+            assert joined.result(30) == (200, {"ok": True, "rank": 1})
+        self.groups = TrainerGroups([(ASYNCSYNC_PROTOCOL, self.group)], HostRuntime())
+
+    def version(self, version: int) -> tuple[UpdateRequest, list[torch.Tensor]]:
+        """A valid version for the server's model: its request and its buckets' bytes."""
+        names = set(call(self.url, "GET", "/weights/names")[1]["names"])
+        named = {n: t for n, t in weights(mixed_dtype_model(TINY), version).items() if n in names}
+        plan = BucketPlan.from_tensors(named.items(), 16 * 1024)
+        flat = [torch.cat([named[s.name].reshape(-1).view(torch.uint8) for s in b.specs]) for b in plan.buckets]
+        return UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), False, (5.0,) * len(flat)), flat
+
+    def send(self, request: UpdateRequest, payloads: list[tuple[FrameHeader, torch.Tensor]]) -> tuple[int, Any, str | None, float]:
+        """Post ``request``, broadcast ``payloads`` (each after the given header): the server's answer,
+        what the trainer's own broadcast said, and how long the answer took."""
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(call, self.url, "POST", "/update", request.to_json())
+            failed = None
+            try:
+                for header, payload in payloads:
+                    self.groups.wait(self.groups.broadcast_async(payload, 5.0, header))
+            except DataPlaneError as e:
+                failed = str(e)
+            status, body = answer.result(60)
+        return status, body, failed, time.monotonic() - start
+
+    def close(self) -> None:
+        self.groups.close(broken=True)
+
+
+def assert_unharmed_and_takes_a_valid_version(server: ServerProcess, before: tuple[Any, Any], version: int) -> None:
+    assert server.process.is_alive(), f"the server died (exit code {server.process.exitcode})"
+    assert served(server) == before, "the server's weights and greedy tokens changed"
+    trainer = Trainer(WeightSyncConfig.from_dict({"servers": [server.url], "bucket_bytes": "16KiB"}))
+    try:
+        good = weights(mixed_dtype_model(TINY), version)
+        assert trainer.publish(good, version) == {server.url: version}
+        names = set(server.get("/weights/names")["names"])
+        assert server.get("/weights/digest")["digest"] == {n: d for n, d in digest(good).items() if n in names}
+    finally:
+        trainer.close()
+
+
+def test_a_bucket_longer_than_announced_is_refused_and_kills_nobody(server):
+    """The issue's SIGABRT: a bucket broadcast 4,096 bytes longer than announced. Its frame header
+    tells the truth, so the receiver never posts a receive it would overflow: it refuses the version
+    and leaves the group, which fails the liar's broadcast at once."""
+    before = served(server)
+    version = before[0]["version"] + 1
+    liar = LyingTrainer(server)
+    try:
+        request, flat = liar.version(version)
+        frames = VersionFrames.of(request)
+        longer = torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
+        payloads = [(frames.header(0, longer), longer), *((frames.header(i, b), b) for i, b in enumerate(flat) if i)]
+        status, body, failed, took = liar.send(request, payloads)
+    finally:
+        liar.close()
+    assert status == 409 and f"is {flat[0].numel() + 4096} bytes on the wire but was announced as {flat[0].numel()}" \
+        in body["error"], body
+    assert failed is not None and took < 5.0, "the liar's broadcast failed at once, not at a deadline"
+    assert_unharmed_and_takes_a_valid_version(server, before, version + 1)
+
+
+@pytest.mark.parametrize("lie", ["another plan", "another version", "no header", "another protocol"])
+def test_frames_that_disagree_with_the_announcement_are_refused_before_their_payload(server, lie):
+    before = served(server)
+    version = before[0]["version"] + 1
+    liar = LyingTrainer(server)
+    try:
+        request, flat = liar.version(version)
+        frames = VersionFrames.of(request)
+        header = frames.header(0, flat[0])
+        header = {
+            "another plan": FrameHeader(header.plan ^ 1, version, 0, header.nbytes),
+            "another version": FrameHeader(header.plan, version + 5, 0, header.nbytes),
+            "no header": FrameHeader(header.plan, version, 0, header.nbytes),  # magic broken below
+            "another protocol": FrameHeader(header.plan, version, 0, header.nbytes, protocol=3),
+        }[lie]
+        if lie == "no header":  # 64 bytes that are not a header: what a sender of another framing would send
+            header = type("Garbage", (), {"tensor": lambda self: torch.arange(8, dtype=torch.int64)})()  # type: ignore[assignment]
+        status, body, failed, _ = liar.send(request, [(header, flat[0])])
+    finally:
+        liar.close()
+    reason = {"another plan": "belongs to another plan", "another version": f"arrived as frame 0 of version {version + 5}",
+              "no header": "has no asyncsync frame header", "another protocol": "is of data-plane protocol 3"}[lie]
+    assert status == 409 and reason in body["error"] and "before its payload" in body["error"], body
+    assert failed is not None
+    assert_unharmed_and_takes_a_valid_version(server, before, version + 1)
+
+
+def test_a_trainer_of_another_protocol_is_refused_at_init_group_before_any_rendezvous(server):
+    """An asyncsync that sends bare payloads says no ``protocol``: refused by name at once, without
+    even a rendezvous (nothing listens at the group's port, and the timeout is long)."""
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "old", "gloo", 60.0)
+    old = {k: v for k, v in InitGroupRequest(spec, 1).to_json().items() if k != "protocol"}
+    start = time.monotonic()
+    status, body = call(server.url, "POST", "/init_group", old)
+    assert status == 400 and "protocol 1" in body["error"] and "this server speaks 2" in body["error"], body
+    assert time.monotonic() - start < 5.0
+    assert call(server.url, "GET", "/world_size")[1] == {"world_size": 1, "protocol": 2}
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[tuple[int, list[socket.socket]]]:
+    """A port that accepts connections and never answers on them (the accepted sockets are kept)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join(5)
+        for s in [*accepted, listener]:
+            s.close()
+
+
+def init_group_body(port: int, timeout_s: float) -> dict[str, Any]:
+    return InitGroupRequest(GroupSpec("127.0.0.1", port, 2, f"silent{free_port()}", "gloo", timeout_s), 1).to_json()
+
+
+def closed_by_server(conn: socket.socket) -> bool:
+    """Whether the server's side of ``conn`` is closed (what it had sent is read and dropped first)."""
+    conn.settimeout(5)
+    try:
+        while conn.recv(1024):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def test_a_silent_rendezvous_peer_ends_by_its_deadline_and_never_holds_end_past_it(silent_peer):
+    """The issue's stall: ``/init_group`` naming a master that accepts and never answers, ``timeout_s``
+    2. It is answered (503) by the deadline, the owner's ``/end`` queued behind it right after, and
+    the server shut its connection to the peer: no rendezvous thread is left waiting on it."""
+    port, accepted = silent_peer
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server, ThreadPoolExecutor(2) as pool:
+        start = time.monotonic()
+        joining = pool.submit(call, server.url, "POST", "/init_group", init_group_body(port, 2.0))
+        time.sleep(0.3)
+        ending = pool.submit(call, server.url, "POST", "/end", {"version": 1})
+        status, body = joining.result(30)
+        joined_after = time.monotonic() - start
+        end_status, end_body = ending.result(30)
+        ended_after = time.monotonic() - start
+        assert status == 503 and "got no answer within 2s" in body["error"], body
+        assert 2.0 <= joined_after < 5.0, joined_after
+        assert end_status == 409 and "not staged" in end_body["error"] and ended_after < joined_after + 1.0
+        assert accepted and closed_by_server(accepted[0]), "the server left its connection to the silent store open"
+        time.sleep(0.5)
+        assert not [t for t in threading.enumerate() if t.name == "asyncsync-rendezvous"], "a rendezvous thread is left"
+        assert call(server.url, "GET", "/health")[0] == 200
+
+
+def as_session(url: str, path: str, body: Any, session: str) -> tuple[int, Any]:
+    """One POST from trainer session ``session`` (its header on the call)."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
+                                 {"Content-Type": "application/json", SESSION_HEADER: session}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("then", ["init_group", "release"])
+def test_a_new_init_group_or_a_release_abandons_a_stalled_join_at_once(silent_peer, then):
+    port, accepted = silent_peer
+    owner = "trainer-host:1:ab12"
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server, ThreadPoolExecutor(2) as pool:
+        assert as_session(server.url, "/claim", {"session": owner}, owner)[0] == 200
+        start = time.monotonic()
+        stalled = pool.submit(as_session, server.url, "/init_group", init_group_body(port, 60.0), owner)
+        time.sleep(1.0)
+        if then == "init_group":
+            second = pool.submit(as_session, server.url, "/init_group", init_group_body(port, 2.0), owner)
+        else:
+            second = pool.submit(as_session, server.url, "/release", None, owner)
+        status, body = stalled.result(30)
+        assert status == 503 and "was abandoned" in body["error"], body
+        assert time.monotonic() - start < 3.0, "the stalled join ended when it was abandoned, not at its 60 s deadline"
+        assert closed_by_server(accepted[0])
+        assert second.result(30)[0] == (503 if then == "init_group" else 200)

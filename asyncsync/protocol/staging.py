@@ -179,9 +179,10 @@ class BucketStager:
             payloads.append(torch.zeros(n, dtype=torch.int64, device=group.device))
         frames = VersionFrames.of(req)
         crcs: list[int | torch.Tensor] = []
+        header: tuple[DataPlaneGroup, Work, torch.Tensor] | None = None
+        landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
         try:
             header = self._post_header(req, 0)
-            landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
             for i, payload in enumerate(payloads):
                 on = self.groups[req.source(i)]
                 problem = frames.mismatch(self._header(*header), i, payload.numel() * payload.element_size())
@@ -199,13 +200,22 @@ class BucketStager:
                 landing = (on, work)
             assert landing is not None
             landing[0].wait(landing[1])
-        except _Unframed as e:
-            self.close(broken=True)  # nothing was posted for its payload: the sender's broadcast fails at once
-            raise VersionRejected(f"version {req.version} rejected before its payload: {e}; left the data-plane "
-                                  f"group (call {self.join_route} again)") from None
-        except DataPlaneError:
-            self.close(broken=True)  # the group's collectives are out of step now
-            raise
+        except (_Unframed, DataPlaneError) as e:
+            failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
+        else:
+            failed = None
+        if failed is not None:
+            # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
+            # fails at once; after a failed one the group's collectives are out of step. Raised as text,
+            # out of the handler: an exception chained to the failure would keep its works, and with
+            # them the group's sockets, alive.
+            header = landing = work = None  # noqa: F841 - the works, dropped before the group
+            self.close(broken=True)
+            problem, data_plane = failed
+            if data_plane:
+                raise DataPlaneError(problem)
+            raise VersionRejected(f"version {req.version} rejected before its payload: {problem}; left the "
+                                  f"data-plane group (call {self.join_route} again)")
         if req.checksum:
             manifest = payloads[n].tolist()
             bad = [i for i, (got, want) in enumerate(zip(crcs, manifest)) if int(got) != want]

@@ -26,6 +26,7 @@ from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.receivers.reference import app as app_module
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import ServerProcess, mixed_dtype_model
 from asyncsync.transport.topology import TrainerGroups
@@ -253,3 +254,20 @@ def test_a_new_init_group_or_a_release_abandons_a_stalled_join_at_once(silent_pe
         assert time.monotonic() - start < 3.0, "the stalled join ended when it was abandoned, not at its 60 s deadline"
         assert closed_by_server(accepted[0])
         assert second.result(30)[0] == (503 if then == "init_group" else 200)
+
+
+def test_a_call_queued_behind_a_stalled_one_is_answered_503_by_its_queue_bound(silent_peer, monkeypatch):
+    """A join stalled with a long deadline (60 s) holds the one data-plane thread; ``/end`` behind it
+    waits at most ``WEIGHT_QUEUE_S`` to start, then is answered 503 naming the stalled call, and
+    never runs later."""
+    monkeypatch.setattr(app_module, "WEIGHT_QUEUE_S", 1.0)
+    port, _ = silent_peer
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server, ThreadPoolExecutor(2) as pool:
+        stalled = pool.submit(call, server.url, "POST", "/init_group", init_group_body(port, 60.0))
+        time.sleep(0.5)
+        start = time.monotonic()
+        status, body = call(server.url, "POST", "/end", {"version": 1})
+        assert status == 503 and "busy with join" in body["error"], body
+        assert 1.0 <= time.monotonic() - start < 3.0
+        assert call(server.url, "POST", "/init_group", init_group_body(port, 0.5))[0] == 503  # abandons the stalled one
+        assert stalled.result(30)[0] == 503

@@ -34,9 +34,10 @@ address it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like S
 Data-plane work runs on one dedicated thread and generation on another, so the server keeps
 generating with the old weights while a new version streams in. Every data-plane call ends by its
 own deadline however the trainer behaves (a rendezvous by the group's ``timeout_s``, a receive by its
-buckets' deadlines), so a stalled call holds the calls queued behind it (``/end``) no longer than
-that; a new ``/init_group`` (or ``/init_weights_update_group``) or a ``/release`` abandons a
-rendezvous still in progress at once.
+buckets' deadlines); a call queued behind a stalled one waits at most ``WEIGHT_QUEUE_S`` to start
+(then 503, and it never runs), so a stall never holds the owner's ``/end`` longer than that or the
+stalled call's own deadline; a new ``/init_group`` (or ``/init_weights_update_group``) or a
+``/release`` abandons a rendezvous still in progress at once, and ``/release`` never queues.
 
 A request that fails is answered with a 4xx and ``{"error": message}`` (SGLang's routes: SGLang's
 error bodies), the message cut to ``wire.MAX_ERROR_CHARS``; a data-plane failure (a group that could not
@@ -47,11 +48,11 @@ or exit (``tests/faults/test_route_fuzz.py``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import random
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the
 # A trainer that made no call for this long while its store still answers (hung) loses the server to
 # the next claim: the collective deadline's default, past which its broadcasts would fail anyway.
 TRAINER_LEASE_S = 120.0
+# A data-plane call waits at most this long to start on the data-plane thread (503 after), so a call
+# stalled on a silent peer never holds the ones behind it for longer, whatever its own deadline.
+WEIGHT_QUEUE_S = 10.0
 # Calls that change what the server receives or serves: only the owning trainer session may make them.
 WEIGHT_ROUTES = frozenset({
     "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
@@ -132,8 +136,9 @@ class ReferenceServer:
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=enter_background_thread,
                                         initargs=(self.receiver.runtime,))
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
+        self._busy: tuple[str, float] | None = None  # the data-plane call running, and since when
         self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S, self.joins),
-                                functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
+                                self._data_plane, model_info(model, sglang_sessions), sglang_sessions)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],
@@ -215,6 +220,36 @@ class ReferenceServer:
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
+    async def _data_plane(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the data-plane thread, after the calls queued before it. A call that cannot
+        start within ``WEIGHT_QUEUE_S`` (one before it is stalled on a silent peer until its own
+        deadline) never runs: ``DataPlaneError`` (503) names the call that holds the thread."""
+        lock, state = threading.Lock(), {"started": False, "dropped": False}
+
+        def run() -> Any:
+            with lock:
+                if state["dropped"]:
+                    return None
+                state["started"] = True
+            self._busy = (getattr(fn, "__name__", "a call"), time.monotonic())
+            try:
+                return fn(*args)
+            finally:
+                self._busy = None
+
+        future = asyncio.get_running_loop().run_in_executor(self._comm, run)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), WEIGHT_QUEUE_S)
+        except asyncio.TimeoutError:
+            with lock:
+                if not state["started"]:
+                    state["dropped"] = True
+                    what, since = self._busy or ("another call", time.monotonic())
+                    raise DataPlaneError(f"could not start within {WEIGHT_QUEUE_S:.0f}s: the data-plane thread is busy "
+                                         f"with {what} for {time.monotonic() - since:.1f}s (it ends by its own "
+                                         "deadline, or at once on a new /init_group); retry") from None
+            return await future
+
     async def health(self, _r: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": self.receiver.version})
 
@@ -276,7 +311,7 @@ class ReferenceServer:
     async def init_group(self, request: web.Request) -> web.Response:
         req = InitGroupRequest.from_json(await _json(request))
         self.joins.abandon()  # the trainer wants this group now: a join still hanging on an older one ends
-        await self._run(self._comm, self.receiver.join, req.groups, req.rank_offset)
+        await self._data_plane(self.receiver.join, req.groups, req.rank_offset)
         self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 
@@ -288,14 +323,14 @@ class ReferenceServer:
 
     async def update(self, request: web.Request) -> web.Response:
         req = UpdateRequest.from_json(await _json(request))
-        await self._run(self._comm, self.receiver.receive, req)
+        await self._data_plane(self.receiver.receive, req)
         return web.json_response({"ok": True, "version": req.version})
 
     async def end(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end")
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
-        version = await self._run(self._comm, self.receiver.commit, req.version)
+        version = await self._data_plane(self.receiver.commit, req.version)
         return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
                                   "holds": list(self.receiver.holds)})
 

@@ -5,12 +5,9 @@ its own deadline, and a stalled join never holds the owner's next calls past it.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,17 +16,13 @@ import pytest
 import torch
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
 from asyncsync.models import build_model
-from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
-from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
-from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.wire import SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.group import free_port
+from asyncsync.protocol.wire import GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference import app as app_module
 from asyncsync.receivers.reference.app import ReferenceServer
-from asyncsync.testing import ServerProcess, mixed_dtype_model
-from asyncsync.transport.topology import TrainerGroups
+from asyncsync.testing import RogueTrainer, ServerProcess, http_call, mixed_dtype_model
 
 from conftest import TINY
 from helpers import ThreadedServer, Trainer, call, digest, weights
@@ -47,43 +40,12 @@ def served(server: ServerProcess) -> tuple[Any, Any]:
     return server.get("/weights/digest"), server.post("/generate", PROMPT)
 
 
-class LyingTrainer:
-    """Rank 0 of a group with the server, sending whatever it likes on the data plane."""
+def liar(server: ServerProcess) -> RogueTrainer:
+    return RogueTrainer(server.url)
 
-    def __init__(self, server: ServerProcess):
-        self.url = server.url
-        self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"liar{free_port()}", "gloo", 10.0)
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(call, self.url, "POST", "/init_group", InitGroupRequest(self.spec, 1).to_json())
-            self.group = DataPlaneGroup.join(self.spec, 0, HostRuntime())
-            assert joined.result(30) == (200, {"ok": True, "rank": 1})
-        self.groups = TrainerGroups([(ASYNCSYNC_PROTOCOL, self.group)], HostRuntime())
 
-    def version(self, version: int) -> tuple[UpdateRequest, list[torch.Tensor]]:
-        """A valid version for the server's model: its request and its buckets' bytes."""
-        names = set(call(self.url, "GET", "/weights/names")[1]["names"])
-        named = {n: t for n, t in weights(mixed_dtype_model(TINY), version).items() if n in names}
-        plan = BucketPlan.from_tensors(named.items(), 16 * 1024)
-        flat = [torch.cat([named[s.name].reshape(-1).view(torch.uint8) for s in b.specs]) for b in plan.buckets]
-        return UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), False, (5.0,) * len(flat)), flat
-
-    def send(self, request: UpdateRequest, payloads: list[tuple[FrameHeader, torch.Tensor]]) -> tuple[int, Any, str | None, float]:
-        """Post ``request``, broadcast ``payloads`` (each after the given header): the server's answer,
-        what the trainer's own broadcast said, and how long the answer took."""
-        start = time.monotonic()
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(call, self.url, "POST", "/update", request.to_json())
-            failed = None
-            try:
-                for header, payload in payloads:
-                    self.groups.wait(self.groups.broadcast_async(payload, 5.0, header))
-            except DataPlaneError as e:
-                failed = str(e)
-            status, body = answer.result(60)
-        return status, body, failed, time.monotonic() - start
-
-    def close(self) -> None:
-        self.groups.close(broken=True)
+def valid_version(rogue: RogueTrainer, version: int) -> tuple[UpdateRequest, list[torch.Tensor]]:
+    return rogue.version(weights(mixed_dtype_model(TINY), version), version)
 
 
 def assert_unharmed_and_takes_a_valid_version(server: ServerProcess, before: tuple[Any, Any], version: int) -> None:
@@ -105,15 +67,15 @@ def test_a_bucket_longer_than_announced_is_refused_and_kills_nobody(server):
     and leaves the group, which fails the liar's broadcast at once."""
     before = served(server)
     version = before[0]["version"] + 1
-    liar = LyingTrainer(server)
+    rogue = liar(server)
     try:
-        request, flat = liar.version(version)
+        request, flat = valid_version(rogue, version)
         frames = VersionFrames.of(request)
         longer = torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
         payloads = [(frames.header(0, longer), longer), *((frames.header(i, b), b) for i, b in enumerate(flat) if i)]
-        status, body, failed, took = liar.send(request, payloads)
+        status, body, failed, took = rogue.send(request, payloads)
     finally:
-        liar.close()
+        rogue.close()
     assert status == 409 and f"is {flat[0].numel() + 4096} bytes on the wire but was announced as {flat[0].numel()}" \
         in body["error"], body
     assert failed is not None and took < 5.0, "the liar's broadcast failed at once, not at a deadline"
@@ -124,9 +86,9 @@ def test_a_bucket_longer_than_announced_is_refused_and_kills_nobody(server):
 def test_frames_that_disagree_with_the_announcement_are_refused_before_their_payload(server, lie):
     before = served(server)
     version = before[0]["version"] + 1
-    liar = LyingTrainer(server)
+    rogue = liar(server)
     try:
-        request, flat = liar.version(version)
+        request, flat = valid_version(rogue, version)
         frames = VersionFrames.of(request)
         header = frames.header(0, flat[0])
         header = {
@@ -137,9 +99,9 @@ def test_frames_that_disagree_with_the_announcement_are_refused_before_their_pay
         }[lie]
         if lie == "no header":  # 64 bytes that are not a header: what a sender of another framing would send
             header = type("Garbage", (), {"tensor": lambda self: torch.arange(8, dtype=torch.int64)})()  # type: ignore[assignment]
-        status, body, failed, _ = liar.send(request, [(header, flat[0])])
+        status, body, failed, _ = rogue.send(request, [(header, flat[0])])
     finally:
-        liar.close()
+        rogue.close()
     reason = {"another plan": "belongs to another plan", "another version": f"arrived as frame 0 of version {version + 5}",
               "no header": "has no asyncsync frame header", "another protocol": "is of data-plane protocol 3"}[lie]
     assert status == 409 and reason in body["error"] and "before its payload" in body["error"], body
@@ -225,30 +187,20 @@ def test_a_silent_rendezvous_peer_ends_by_its_deadline_and_never_holds_end_past_
         assert call(server.url, "GET", "/health")[0] == 200
 
 
-def as_session(url: str, path: str, body: Any, session: str) -> tuple[int, Any]:
-    """One POST from trainer session ``session`` (its header on the call)."""
-    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
-                                 {"Content-Type": "application/json", SESSION_HEADER: session}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.mark.parametrize("then", ["init_group", "release"])
 def test_a_new_init_group_or_a_release_abandons_a_stalled_join_at_once(silent_peer, then):
     port, accepted = silent_peer
     owner = "trainer-host:1:ab12"
     with ThreadedServer(ReferenceServer(build_model(TINY))) as server, ThreadPoolExecutor(2) as pool:
-        assert as_session(server.url, "/claim", {"session": owner}, owner)[0] == 200
+        def post(path: str, body: Any) -> tuple[int, Any]:
+            return http_call(server.url, "POST", path, body, session=owner)
+
+        assert post("/claim", {"session": owner})[0] == 200
         start = time.monotonic()
-        stalled = pool.submit(as_session, server.url, "/init_group", init_group_body(port, 60.0), owner)
+        stalled = pool.submit(post, "/init_group", init_group_body(port, 60.0))
         time.sleep(1.0)
-        if then == "init_group":
-            second = pool.submit(as_session, server.url, "/init_group", init_group_body(port, 2.0), owner)
-        else:
-            second = pool.submit(as_session, server.url, "/release", None, owner)
+        second = pool.submit(post, "/init_group", init_group_body(port, 2.0)) if then == "init_group" else \
+            pool.submit(post, "/release", None)
         status, body = stalled.result(30)
         assert status == 503 and "was abandoned" in body["error"], body
         assert time.monotonic() - start < 3.0, "the stalled join ended when it was abandoned, not at its 60 s deadline"

@@ -13,9 +13,10 @@ of a sync. SGLang does not take part in such a broadcast, so its groups are join
 
 The rendezvous gives up at the group's ``timeout_s`` however the other side behaves: torch's
 ``TCPStore`` client waits without a deadline for a peer that accepts the connection and never
-answers, so the rendezvous runs on a thread of its own, which the joining thread leaves at the
-deadline (or when another thread abandons the join: ``Abandoner``), shutting down the connection to
-the store so that the rendezvous thread ends too.
+answers. So a member first checks, with a deadline, that a store answers at the address
+(``_store_answers``), and the rendezvous runs on a thread of its own, which the joining thread
+leaves at the deadline (or when another thread abandons the join: ``Abandoner``), shutting down the
+thread's connections to the store so that it ends too.
 
 What differs between gloo and NCCL (which stream a collective waits on, what a wait blocks, how a
 failed group is torn down, the enqueue lock) is the member's ``Runtime`` (``protocol.device``).
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}  # the device type torch's _new_process_group_helper adds
 RENDEZVOUS_GRACE_S = 1.0  # past timeout_s: torch's own deadlines fire first wherever the peer answers at all
 _POLL_S = 0.05  # how often a joining thread looks whether its join was abandoned
+# What torch's TCPStore client sends first (c10d/TCPStore.cpp, QueryType and validationMagicNumber).
+_STORE_VALIDATE, _STORE_PING, _STORE_MAGIC = 0, 13, 0x3C85F7CE
 
 
 class DataPlaneError(RuntimeError):
@@ -202,11 +207,14 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
     priority and cores (and so do the group's own threads)."""
     before = set(_sockets().values())
     outcome: list[Any] = []
-    done = threading.Event()
+    done, stop = threading.Event(), threading.Event()
+    store_ready = time.monotonic() + spec.timeout_s
 
     def run() -> None:
         try:
             runtime.enter_thread()
+            if rank != 0 and not _store_answers(spec, store_ready, stop) or stop.is_set():
+                return  # given up: the joining thread has said why
             outcome.append(_form(spec, rank, runtime))
         except BaseException as e:  # handed to the joining thread
             outcome.append(e)
@@ -219,14 +227,62 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
         why = ("was abandoned (a newer join or a release)" if abandoned() else
                f"got no answer within {spec.timeout_s:g}s" if time.monotonic() > give_up else None)
         if why is not None:
+            stop.set()
             shut = _shut_new_connections(spec.port, before)
+            # The rendezvous thread may connect only after this sweep (a store that answered the probe
+            # and then fell silent), and torch's client retries a broken connection until the group's
+            # timeout: until the thread ends, its connections keep being shut.
+            threading.Thread(target=_reap, args=(spec.port, before, done, time.monotonic() + spec.timeout_s + 1),
+                             name="asyncsync-rendezvous-reaper", daemon=True).start()
             log.warning("rank %d: rendezvous at %s:%d %s; %d connection(s) shut", rank, spec.host, spec.port, why, shut)
             raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} {why}: is the trainer's "
                                  "rendezvous store listening there?")
+    if not outcome:
+        raise DataPlaneError(f"rank {rank}: no rendezvous store answered at {spec.host}:{spec.port} within "
+                             f"{spec.timeout_s:g}s: is the trainer's store listening there?")
     (result,) = outcome
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def _store_answers(spec: GroupSpec, until: float, stop: threading.Event) -> bool:
+    """Wait until a rendezvous store answers at ``spec``'s address (its connection closed at once),
+    or until ``until`` or ``stop``: False then. torch's client waits without a deadline for a peer
+    that accepts and never answers, and retries a refused or broken connection on its own until the
+    group's timeout, in a loop nothing can end early; this probe ends within ``_POLL_S`` of ``stop``.
+    It sends what torch's client sends first (c10d's TCPStore, torch 2.13: a validate message with
+    its magic number, then a ping the store answers with its nonce): every group the tests form
+    runs it against torch's own store, so a torch whose store spoke otherwise would fail them all."""
+    nonce = secrets.randbits(32)
+    hello = struct.pack("<BIBI", _STORE_VALIDATE, _STORE_MAGIC, _STORE_PING, nonce)
+    while not stop.is_set() and time.monotonic() < until:
+        try:
+            with socket.create_connection((spec.host, spec.port), timeout=max(_POLL_S, min(1.0, until - time.monotonic()))) as s:
+                s.sendall(hello)
+                s.settimeout(_POLL_S)
+                reply = b""
+                while len(reply) < 4 and not stop.is_set() and time.monotonic() < until:
+                    try:
+                        chunk = s.recv(4 - len(reply))
+                    except TimeoutError:
+                        continue
+                    if not chunk:
+                        break
+                    reply += chunk
+                if reply == struct.pack("<I", nonce):
+                    return True
+        except OSError:  # refused (not listening yet), unreachable, reset, no such host: again
+            pass
+        stop.wait(_POLL_S)
+    return False
+
+
+def _reap(port: int, before: set[str], done: threading.Event, until: float) -> None:
+    """Shut the given-up rendezvous thread's connections to ``port`` until it ended (``done``), or
+    until ``until``, past which torch's client stops retrying."""
+    while not done.wait(_POLL_S) and time.monotonic() < until:
+        _shut_new_connections(port, before)
 
 
 def _sockets() -> dict[int, str]:

@@ -124,6 +124,17 @@ def test_a_trainer_of_another_protocol_is_refused_at_init_group_before_any_rende
 @pytest.fixture
 def silent_peer() -> Iterator[tuple[int, list[socket.socket]]]:
     """A port that accepts connections and never answers on them (the accepted sockets are kept)."""
+    yield from peer(answers_first_ping=False)
+
+
+@pytest.fixture
+def store_that_falls_silent() -> Iterator[tuple[int, list[socket.socket]]]:
+    """A port that answers the first connection's ping as a rendezvous store does (the probe passes),
+    then never answers again: what only a peer that means to stall does."""
+    yield from peer(answers_first_ping=True)
+
+
+def peer(answers_first_ping: bool) -> Iterator[tuple[int, list[socket.socket]]]:
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     stop = threading.Event()
@@ -132,9 +143,16 @@ def silent_peer() -> Iterator[tuple[int, list[socket.socket]]]:
         listener.settimeout(0.2)
         while not stop.is_set():
             try:
-                accepted.append(listener.accept()[0])
+                conn = listener.accept()[0]
             except TimeoutError:
                 continue
+            if answers_first_ping and not accepted:
+                conn.settimeout(5)
+                hello = b""
+                while len(hello) < 10:
+                    hello += conn.recv(10 - len(hello))
+                conn.sendall(hello[6:10])  # the ping's nonce back
+            accepted.append(conn)
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -178,7 +196,7 @@ def test_a_silent_rendezvous_peer_ends_by_its_deadline_and_never_holds_end_past_
         joined_after = time.monotonic() - start
         end_status, end_body = ending.result(30)
         ended_after = time.monotonic() - start
-        assert status == 503 and "got no answer within 2s" in body["error"], body
+        assert status == 503 and "no rendezvous store answered at" in body["error"] and "within 2s" in body["error"], body
         assert 2.0 <= joined_after < 5.0, joined_after
         assert end_status == 409 and "not staged" in end_body["error"] and ended_after < joined_after + 1.0
         assert accepted and closed_by_server(accepted[0]), "the server left its connection to the silent store open"
@@ -223,3 +241,20 @@ def test_a_call_queued_behind_a_stalled_one_is_answered_503_by_its_queue_bound(s
         assert 1.0 <= time.monotonic() - start < 3.0
         assert call(server.url, "POST", "/init_group", init_group_body(port, 0.5))[0] == 503  # abandons the stalled one
         assert stalled.result(30)[0] == 503
+
+
+def test_a_store_that_answers_the_probe_then_falls_silent_still_ends_by_the_deadline(store_that_falls_silent):
+    """Past the probe, torch's own client meets the silence: the join still ends by its deadline, and
+    the rendezvous thread, whose connections keep being shut while torch retries them, ends by the
+    group's timeout."""
+    port, accepted = store_that_falls_silent
+    with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
+        start = time.monotonic()
+        status, body = call(server.url, "POST", "/init_group", init_group_body(port, 2.0))
+        assert status == 503 and "got no answer within 2s" in body["error"], body
+        assert time.monotonic() - start < 5.0
+        deadline = time.monotonic() + 10
+        while [t for t in threading.enumerate() if t.name.startswith("asyncsync-rendezvous")] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [t for t in threading.enumerate() if t.name.startswith("asyncsync-rendezvous")]
+        assert len(accepted) >= 2 and all(closed_by_server(c) for c in accepted[1:])

@@ -57,8 +57,10 @@ def http_call(url: str, method: str, path: str, body: Any = None, token: str | N
 
 
 class RogueTrainer:
-    """Rank 0 of a data-plane group with one reference server, sending whatever a test tells it to:
-    the trainer that lies (a bucket longer than announced, frames of another plan) or goes silent.
+    """Rank 0 of a data-plane group with one server running asyncsync's receiver (a reference server,
+    or with ``vllm`` a vLLM server with asyncsync's backend, through vLLM's own routes), sending
+    whatever a test tells it to: the trainer that lies (a bucket longer than announced, frames of
+    another plan) or goes silent.
 
         rogue = RogueTrainer(url)                       # the server joined the group (POST /init_group)
         request, buckets = rogue.version(named, 7)      # a valid version of ``named`` for this server
@@ -66,11 +68,12 @@ class RogueTrainer:
         rogue.close()
     """
 
-    def __init__(self, url: str, token: str | None = None, session: str | None = None, timeout_s: float = 10.0):
-        self.url, self.token, self.session = url, token, session
+    def __init__(self, url: str, token: str | None = None, session: str | None = None, timeout_s: float = 10.0,
+                 vllm: bool = False):
+        self.url, self.token, self.session, self.vllm = url, token, session, vllm
         self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"rogue{free_port()}", "gloo", timeout_s)
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.call, "POST", "/init_group", InitGroupRequest(self.spec, 1).to_json())
+            joined = pool.submit(self.init_group, InitGroupRequest(self.spec, 1).to_json())
             group = DataPlaneGroup.join(self.spec, 0, HostRuntime())
             status, body = joined.result(timeout_s + 30)
         if status != 200:
@@ -81,11 +84,28 @@ class RogueTrainer:
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         return http_call(self.url, method, path, body, self.token, self.session)
 
+    def init_group(self, body: Any) -> tuple[int, Any]:
+        """Post an ``InitGroupRequest`` body (anything) as the server's route takes it."""
+        if self.vllm:
+            return self.call("POST", "/init_weight_transfer_engine", {"init_info": body})
+        return self.call("POST", "/init_group", body)
+
+    def update(self, body: Any) -> tuple[int, Any]:
+        """Post an ``UpdateRequest`` body (anything) as the server's route takes it; on vLLM inside an
+        update session (start, update, finish: a refused update leaves nothing open)."""
+        if not self.vllm:
+            return self.call("POST", "/update", body)
+        self.call("POST", "/start_weight_update", {})
+        try:
+            return self.call("POST", "/update_weights", {"update_info": body})
+        finally:
+            self.call("POST", "/finish_weight_update", {})
+
     def version(self, named: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 16 * 1024,
                 deadline_s: float = 5.0, checksum: bool = False) -> tuple[UpdateRequest, list[torch.Tensor]]:
-        """A valid version of ``named`` (the tensors the server expects, by its ``/weights/names``): the
-        request and each bucket's bytes."""
-        names = set(self.call("GET", "/weights/names")[1]["names"])
+        """A valid version of ``named`` (on a reference server, of the tensors it expects by its
+        ``/weights/names``; on vLLM, ``named`` as it is): the request and each bucket's bytes."""
+        names = set(named) if self.vllm else set(self.call("GET", "/weights/names")[1]["names"])
         plan = BucketPlan.from_tensors([(n, t) for n, t in named.items() if n in names], bucket_bytes)
         flat = [torch.cat([named[s.name].detach().reshape(-1).view(torch.uint8) for s in b.specs]) for b in plan.buckets]
         return UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), checksum,
@@ -97,7 +117,7 @@ class RogueTrainer:
         server's answer, what the rogue's own broadcasts said (None: all sent), and the answer's delay."""
         start = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(self.call, "POST", "/update", request.to_json())
+            answer = pool.submit(self.update, request.to_json())
             failed = None
             try:
                 for header, payload in payloads:

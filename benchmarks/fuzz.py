@@ -45,10 +45,11 @@ import torch
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, generate
 from asyncsync.protocol.checksum import crc32c_of
-from asyncsync.protocol.frames import FrameHeader, VersionFrames
+from asyncsync.protocol.frames import FrameHeader, VersionFrames, plan_hash
 from asyncsync.protocol.group import free_port
 from asyncsync.protocol.sglang import UpdateWeightsFromDistributed
-from asyncsync.protocol.shm import ALIGN, SHM_DIR, aligned_offsets
+from asyncsync.protocol.shm import ALIGN, SHM_DIR, HostIdentity, aligned_offsets
+from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import (
     MAX_ERROR_CHARS, SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, SharedVersion, UpdateRequest,
 )
@@ -175,13 +176,13 @@ class Context:
     templates: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
-        from asyncsync.protocol.specs import BucketPlan
-
         plan = BucketPlan.from_tensors(self.named.items(), 16 * 1024)
         metas = tuple(BucketMeta.of(b) for b in plan.buckets)
         self.update = UpdateRequest(9, metas, True, (0.5,) * len(metas))
         offsets, self.segment_bytes = aligned_offsets([m.nbytes for m in metas])
-        shm = SharedVersion(self.segment, offsets, tuple(range(len(metas))), host_identity(self.host))
+        host = HostIdentity.from_json(self.host)
+        assert host is not None, "a reference server on this host tells its identity"
+        shm = SharedVersion(self.segment, offsets, tuple(range(len(metas))), host)
         port = self.silent_port
         self.templates = {
             "/generate": {"prompt": [1, 2, 3], "max_new_tokens": 3, "n": 2, "temperature": 0.8, "seed": 3},
@@ -197,12 +198,6 @@ class Context:
             "/begin_weight_update": {}, "/end_weight_update": {}, "/pause_generation": {"mode": "abort"},
             "/continue_generation": {},
         }
-
-
-def host_identity(host: dict[str, Any]) -> Any:
-    from asyncsync.protocol.shm import HostIdentity
-
-    return HostIdentity.from_json(host)
 
 
 def dumps(value: Any) -> bytes:
@@ -399,72 +394,49 @@ class SilentPeer:
 
 # -- the rogue trainer on the data plane --------------------------------------------------------------
 
+Sent = tuple[UpdateRequest, list[tuple[FrameHeader, torch.Tensor]]]
+
+
+def framed(request: UpdateRequest, payloads: list[torch.Tensor]) -> list[tuple[FrameHeader, torch.Tensor]]:
+    """``payloads`` each after its true frame header, as asyncsync's trainer sends them."""
+    frames = VersionFrames.of(request)
+    return [(frames.header(i, p), p) for i, p in enumerate(payloads)]
+
+
+def renamed(meta: BucketMeta) -> BucketMeta:
+    return BucketMeta(("no.such.tensor", *meta.names[1:]), meta.dtypes, meta.shapes, meta.nbytes)
+
+
+# Each lie of a rogue trainer: how its valid version is made (``RogueTrainer.version`` options), and
+# what it announces and broadcasts instead, given the valid request and buckets.
+DATA_PLANE_LIES: dict[str, tuple[dict[str, Any], Callable[[UpdateRequest, list[torch.Tensor]], Sent]]] = {
+    "wrong_checksum": ({"checksum": True}, lambda r, flat: (
+        r, framed(r, [*flat, torch.tensor([crc32c_of(b) ^ 1 for b in flat])]))),
+    "stale_version": ({"version": 0}, lambda r, flat: (r, framed(r, flat))),
+    "bucket_longer_than_announced": ({}, lambda r, flat: (
+        r, [(FrameHeader(plan_hash(r), r.version, 0, flat[0].numel() + 4096),
+             torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)]))])),
+    "frames_of_another_plan": ({}, lambda r, flat: (
+        r, [(FrameHeader(plan_hash(r) ^ 1, r.version, 0, flat[0].numel()), flat[0])])),
+    "a_tensor_the_model_lacks": ({}, lambda r, flat: (replace(r, buckets=(renamed(r.buckets[0]), *r.buckets[1:])), [])),
+    "a_petabyte": ({}, lambda r, flat: (replace(r, buckets=(BucketMeta((r.buckets[0].names[0],), ("float32",),
+                                                                        ((2**48,),), 2**50),), deadlines_s=(0.5,)), [])),
+    "silent_trainer": ({}, lambda r, flat: (r, [])),
+    "stops_half_way": ({}, lambda r, flat: (r, framed(r, flat[:1]))),
+}
+
+
 def data_plane_lies(url: str, named: dict[str, torch.Tensor], version: int) -> dict[str, dict[str, Any]]:
-    """Each lie of a rogue trainer in the server's group (a new group each, since the server leaves a
-    group whose sender lied): its answer's status, delay and the start of its message."""
-    lies: dict[str, Callable[[RogueTrainer], tuple[int, Any, str | None, float]]] = {}
-
-    def lie(name: str) -> Callable[[Callable[[RogueTrainer], tuple[int, Any, str | None, float]]], None]:
-        def register(fn: Callable[[RogueTrainer], tuple[int, Any, str | None, float]]) -> None:
-            lies[name] = fn
-        return register
-
-    def valid(rogue: RogueTrainer, checksum: bool = False, v: int = version) -> tuple[UpdateRequest, list[torch.Tensor]]:
-        return rogue.version(named, v, deadline_s=0.5, checksum=checksum)
-
-    @lie("wrong_checksum")
-    def _(rogue):
-        request, flat = valid(rogue, checksum=True)
-        frames = VersionFrames.of(request)
-        status = rogue.send(request, [(frames.header(i, b), b) for i, b in enumerate(flat)]
-                            + [(frames.header(len(flat), m), m) for m in [torch.tensor([crc32c_of(b) ^ 1 for b in flat])]])
-        return status
-
-    @lie("stale_version")
-    def _(rogue):
-        request, flat = valid(rogue, v=0)
-        frames = VersionFrames.of(request)
-        return rogue.send(request, [(frames.header(i, b), b) for i, b in enumerate(flat)])
-
-    @lie("bucket_longer_than_announced")
-    def _(rogue):
-        request, flat = valid(rogue)
-        frames, longer = VersionFrames.of(request), torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
-        return rogue.send(request, [(frames.header(0, longer), longer)])
-
-    @lie("frames_of_another_plan")
-    def _(rogue):
-        request, flat = valid(rogue)
-        h = VersionFrames.of(request).header(0, flat[0])
-        return rogue.send(request, [(FrameHeader(h.plan ^ 1, h.version, 0, h.nbytes), flat[0])])
-
-    @lie("a_tensor_the_model_lacks")
-    def _(rogue):
-        request, _ = valid(rogue)
-        b = request.buckets[0]
-        bad = BucketMeta(("no.such.tensor", *b.names[1:]), b.dtypes, b.shapes, b.nbytes)
-        return rogue.send(replace(request, buckets=(bad, *request.buckets[1:])), [])
-
-    @lie("a_petabyte")
-    def _(rogue):
-        request, _ = valid(rogue)
-        huge = BucketMeta((request.buckets[0].names[0],), ("float32",), ((2**48,),), 2**50)
-        return rogue.send(replace(request, buckets=(huge,), deadlines_s=(0.5,)), [])
-
-    @lie("silent_trainer")
-    def _(rogue):
-        return rogue.send(valid(rogue)[0], [])
-
-    @lie("stops_half_way")
-    def _(rogue):
-        request, flat = valid(rogue)
-        return rogue.send(request, [(VersionFrames.of(request).header(0, flat[0]), flat[0])])
-
+    """Each of ``DATA_PLANE_LIES`` from a rogue trainer in the server's group (a new group each: the
+    server leaves a group whose sender lied), then a trainer of another data-plane protocol: each
+    answer's status, delay and the start of its message."""
     out = {}
-    for name, fn in lies.items():
+    for name, (options, lie) in DATA_PLANE_LIES.items():
         rogue = RogueTrainer(url, TOKEN, OWNER, timeout_s=10.0)
         try:
-            status, body, _, took = fn(rogue)
+            request, flat = rogue.version(named, options.get("version", version), deadline_s=0.5,
+                                          checksum=options.get("checksum", False))
+            status, body, _, took = rogue.send(*lie(request, flat))
         finally:
             rogue.close()
         out[name] = {"status": status, "seconds": round(took, 3), "answer": str((body or {}).get("error", ""))[:160]}
@@ -676,7 +648,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     classes = {"2xx": lambda s: 200 <= s < 300, "4xx": lambda s: 400 <= s < 500, "503 (documented)": lambda s: s == 503,
-               "other 5xx": lambda s: s >= 500 and s != 503, "no answer": lambda s: s == 0}
+               "other 5xx": lambda s: s >= 500 and s != 503, "no answer (a body the client cut short)": lambda s: s == 0}
     kinds = list(results["status_by_kind"])
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(kinds) + 1.5))
     left = [0] * len(kinds)

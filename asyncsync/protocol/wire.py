@@ -27,7 +27,7 @@ PROTOCOL_VERSION = 2
 
 # Limits of what a message may carry: generous for any real model, small enough that nothing a
 # receiver derives from them (a timedelta, an int64, a tensor size) can overflow.
-MAX_DEADLINE_S = 86400.0     # one day: a rendezvous or a broadcast that may take longer is a mistake
+MAX_DEADLINE_S = 3600.0      # an hour: a rendezvous or one broadcast that may take longer is a mistake
 MAX_BYTES = 2**62            # a tensor, a bucket or a version (sizes travel as int64 in frame headers)
 MAX_VERSION = 2**63 - 1      # versions travel as int64 in frame headers
 MAX_WORLD_SIZE = 2**16

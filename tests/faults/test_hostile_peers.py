@@ -61,51 +61,37 @@ def assert_unharmed_and_takes_a_valid_version(server: ServerProcess, before: tup
         trainer.close()
 
 
-def test_a_bucket_longer_than_announced_is_refused_and_kills_nobody(server):
-    """The issue's SIGABRT: a bucket broadcast 4,096 bytes longer than announced. Its frame header
-    tells the truth, so the receiver never posts a receive it would overflow: it refuses the version
-    and leaves the group, which fails the liar's broadcast at once."""
-    before = served(server)
-    version = before[0]["version"] + 1
-    rogue = liar(server)
-    try:
-        request, flat = valid_version(rogue, version)
-        frames = VersionFrames.of(request)
-        longer = torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
-        payloads = [(frames.header(0, longer), longer), *((frames.header(i, b), b) for i, b in enumerate(flat) if i)]
-        status, body, failed, took = rogue.send(request, payloads)
-    finally:
-        rogue.close()
-    assert status == 409 and f"is {flat[0].numel() + 4096} bytes on the wire but was announced as {flat[0].numel()}" \
-        in body["error"], body
-    assert failed is not None and took < 5.0, "the liar's broadcast failed at once, not at a deadline"
-    assert_unharmed_and_takes_a_valid_version(server, before, version + 1)
+GARBAGE = type("Garbage", (), {"tensor": lambda self: torch.arange(8, dtype=torch.int64)})()  # 64 bytes, no header
 
 
-@pytest.mark.parametrize("lie", ["another plan", "another version", "no header", "another protocol"])
+@pytest.mark.parametrize("lie", ["a longer payload", "another plan", "another version", "no header", "another protocol"])
 def test_frames_that_disagree_with_the_announcement_are_refused_before_their_payload(server, lie):
+    """The issue's SIGABRT was a bucket broadcast 4,096 bytes longer than announced: its frame header
+    tells the truth, so the receiver never posts a receive it would overflow. Whatever a header gets
+    wrong, the receiver refuses the version before its payload and leaves the group, which fails the
+    liar's broadcast at once, and then serves on unchanged."""
     before = served(server)
     version = before[0]["version"] + 1
     rogue = liar(server)
     try:
         request, flat = valid_version(rogue, version)
-        frames = VersionFrames.of(request)
-        header = frames.header(0, flat[0])
-        header = {
-            "another plan": FrameHeader(header.plan ^ 1, version, 0, header.nbytes),
-            "another version": FrameHeader(header.plan, version + 5, 0, header.nbytes),
-            "no header": FrameHeader(header.plan, version, 0, header.nbytes),  # magic broken below
-            "another protocol": FrameHeader(header.plan, version, 0, header.nbytes, protocol=3),
+        true = VersionFrames.of(request).header(0, flat[0])
+        longer = torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
+        header, payload = {
+            "a longer payload": (FrameHeader(true.plan, version, 0, true.nbytes + 4096), longer),
+            "another plan": (FrameHeader(true.plan ^ 1, version, 0, true.nbytes), flat[0]),
+            "another version": (FrameHeader(true.plan, version + 5, 0, true.nbytes), flat[0]),
+            "no header": (GARBAGE, flat[0]),  # what a sender of another framing would send
+            "another protocol": (FrameHeader(true.plan, version, 0, true.nbytes, protocol=3), flat[0]),
         }[lie]
-        if lie == "no header":  # 64 bytes that are not a header: what a sender of another framing would send
-            header = type("Garbage", (), {"tensor": lambda self: torch.arange(8, dtype=torch.int64)})()  # type: ignore[assignment]
-        status, body, failed, _ = rogue.send(request, [(header, flat[0])])
+        status, body, failed, took = rogue.send(request, [(header, payload)])
     finally:
         rogue.close()
-    reason = {"another plan": "belongs to another plan", "another version": f"arrived as frame 0 of version {version + 5}",
+    reason = {"a longer payload": f"is {true.nbytes + 4096} bytes on the wire but was announced as {true.nbytes}",
+              "another plan": "belongs to another plan", "another version": f"arrived as frame 0 of version {version + 5}",
               "no header": "has no asyncsync frame header", "another protocol": "is of data-plane protocol 3"}[lie]
     assert status == 409 and reason in body["error"] and "before its payload" in body["error"], body
-    assert failed is not None
+    assert failed is not None and took < 5.0, "the liar's broadcast failed at once, not at a deadline"
     assert_unharmed_and_takes_a_valid_version(server, before, version + 1)
 
 

@@ -24,15 +24,13 @@ from asyncsync.protocol.wire import (
     MAX_BYTES, MAX_DEADLINE_S, PROTOCOL_VERSION, BucketMeta, ClaimRequest, DiscardRequest, GroupSpec,
     InitGroupRequest, SharedVersion, UpdateRequest, VersionRequest, WireError,
 )
+from benchmarks.fuzz import HOSTILE as HOSTILE_VALUES
+from benchmarks.fuzz import places, with_replaced
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LONG = "x" * 5000  # a field this long must never come back in an error message
+LONG = "x" * 5000  # a field this long (one of HOSTILE_VALUES) must never come back in an error message
 
-HOSTILE = st.sampled_from([
-    math.nan, math.inf, -math.inf, 1e300, -1e300, 1e-300, 2**63, 2**64, -(2**63) - 1, 10**40, -1, 0, 1, 0.5,
-    "", " ", "\ud800", "a\x00b", "..", LONG, "float33", "torch.float32", [], {}, [[[[[[[[]]]]]]]], [-1], [2**62, 2**62],
-    True, False, None, {"a": LONG}, [LONG], "1", "1e9",
-])
+HOSTILE = st.sampled_from(HOSTILE_VALUES)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | HOSTILE,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
@@ -40,39 +38,13 @@ JSON = st.recursive(
 )
 
 
-def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every place in a JSON document a mutation can hit (the root included)."""
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += paths(v, (*prefix, i))
-    return out
-
-
-def replaced(doc: Any, path: tuple[Any, ...], new: Any) -> Any:
-    if not path:
-        return new
-    copy = json.loads(json.dumps(doc))
-    node = copy
-    for key in path[:-1]:
-        node = node[key]
-    if new is _DELETE and isinstance(node, dict):
-        del node[path[-1]]
-    else:
-        node[path[-1]] = None if new is _DELETE else new
-    return copy
-
-
 _DELETE = object()
 
 
 def mutants(valid: dict[str, Any]) -> st.SearchStrategy[Any]:
     """``valid`` with one place replaced by a hostile or random JSON value, deleted, or kept."""
-    return st.tuples(st.sampled_from(paths(valid)), st.one_of(HOSTILE, JSON, st.just(_DELETE))).map(
-        lambda pn: replaced(valid, *pn))
+    return st.tuples(st.sampled_from(list(places(valid))), st.one_of(HOSTILE, JSON, st.just(_DELETE))).map(
+        lambda pn: with_replaced(valid, pn[0], None, delete=True) if pn[1] is _DELETE else with_replaced(valid, *pn))
 
 
 GROUP = GroupSpec("127.0.0.1", 29500, 3, "asyncsync.ab12.1", "gloo", 120.0)
@@ -193,9 +165,9 @@ def test_what_the_sglang_api_derives_from_a_parsed_request_is_checked(data):
 def test_a_long_or_deep_input_is_never_echoed():
     for parse, valid in VALID.values():
         for bad in (LONG, [LONG] * 3, json.loads("[" * 500 + "]" * 500)):
-            for path in paths(valid):
+            for path in places(valid):
                 try:
-                    parse(replaced(valid, path, bad))
+                    parse(with_replaced(valid, path, bad))
                 except WireError as e:
                     assert len(str(e)) < 600 and LONG[:100] not in str(e)
 

@@ -26,7 +26,8 @@ class WeightReceiver:
 
         receiver.join(spec, rank)
         for version in updates:
-            receiver.receive(request)      # takes part in every broadcast, even for a bad request
+            receiver.receive(request)      # takes part in every broadcast, even of a bad version (but one
+                                           # naming unknown tensors or past the budget: none, it leaves the group)
             receiver.commit(version)       # live tensors become views of the received buffers
 
     SGLang's protocol sends a version one bucket per request instead: ``receive_bucket`` for each,

@@ -50,7 +50,6 @@ class _Unframed(Exception):
     """A frame header disagreed with the announcement: its payload must not be received."""
 
 
-
 @dataclass(frozen=True)
 class StagedVersion:
     """A whole version received and verified in flat buffers, not yet applied. ``views`` are typed

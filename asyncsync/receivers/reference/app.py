@@ -138,7 +138,8 @@ class ReferenceServer:
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
         self._busy: tuple[str, float] | None = None  # the data-plane call running, and since when
         self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S, self.joins),
-                                self._data_plane, model_info(model, sglang_sessions), sglang_sessions)
+                                self._data_plane, model_info(model, sglang_sessions), sglang_sessions,
+                                on_join=self.joins.abandon)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],

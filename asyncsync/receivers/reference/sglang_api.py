@@ -200,9 +200,10 @@ class SglangApi:
     ``weight_version`` succeeds, reported by ``/model_info``; ``/server_info`` keeps the start-up one."""
 
     def __init__(self, scheduler: SglangScheduler, run_comm: RunOnCommThread, model_info: Mapping[str, Any],
-                 sessions: bool = True):
+                 sessions: bool = True, on_join: Callable[[], None] | None = None):
         self.scheduler = scheduler
         self._run_comm = run_comm  # scheduler work runs on the server's data-plane thread, in order
+        self._on_join = on_join  # told when a group is asked for (the server abandons a join still hanging)
         self.model_info = dict(model_info)
         self.sessions = sessions
         self.weight_version = "default"
@@ -251,6 +252,8 @@ class SglangApi:
 
     def _weight_route(self, struct: type[SglangRequest], name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(req: SglangRequest) -> web.Response:
+            if isinstance(req, InitWeightsUpdateGroup) and self._on_join is not None:
+                self._on_join()
             success, message = await self._run_comm(getattr(self.scheduler, name), req)
             if success and isinstance(req, UpdateWeightsFromDistributed) and req.weight_version is not None:
                 self.weight_version = req.weight_version

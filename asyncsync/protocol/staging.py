@@ -376,7 +376,8 @@ class BucketStager:
         """Why nothing may be allocated for ``buckets`` (staging ``nbytes`` in all): names the model
         does not have, or more bytes than the staging budget."""
         unknown = [s.name for b in buckets for s in b.specs if s.name not in self.expected]
-        why = [f"{len(unknown)} tensor(s) this server does not have, e.g. {shown(unknown[0])}"] if unknown else []
+        named = ", ".join(shown(n) for n in unknown[:MAX_REPORTED_PROBLEMS]) + (", ..." if len(unknown) > MAX_REPORTED_PROBLEMS else "")
+        why = [f"{len(unknown)} tensor(s) this server does not have: {named}"] if unknown else []
         if nbytes > self.max_version_bytes:
             why.append(f"it needs {nbytes} bytes of staging, more than this receiver's budget of "
                        f"{self.max_version_bytes} (the served model is {self.model_bytes})")

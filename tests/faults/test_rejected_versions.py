@@ -84,7 +84,7 @@ def refused(result: SyncResult, url: str, reason: str) -> bool:
     [
         ({"flip_a_byte": True}, "checksum mismatch"),
         ({"edit": transpose_a_matrix}, "expected"),
-        ({"edit": rename_first}, "does not have, e.g. 'no.such.tensor'"),  # refused before its broadcast
+        ({"edit": rename_first}, "does not have: 'no.such.tensor'"),  # refused before its broadcast
     ],
     ids=["corrupt-bytes", "wrong-shape", "unknown-name"],
 )

@@ -27,7 +27,7 @@ from asyncsync.protocol.wire import (
 from benchmarks.fuzz import HOSTILE as HOSTILE_VALUES
 from benchmarks.fuzz import places, with_replaced
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LONG = "x" * 5000  # a field this long (one of HOSTILE_VALUES) must never come back in an error message
 
 HOSTILE = st.sampled_from(HOSTILE_VALUES)

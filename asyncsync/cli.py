@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("ASYNCSYNC_TOKEN") or None
     logging.getLogger("asyncsync").info("serving on http://%s:%d (auth %s)", args.host, args.port, "on" if token else "off")
     lease = TRAINER_LEASE_S if args.trainer_lease_s is None else args.trainer_lease_s
-    run_server(model, args.host, args.port, token, trainer_lease_s=lease)
+    run_server(model, args.host, args.port, token, trainer_lease_s=lease, max_version_bytes=args.max_version_bytes)
     return 0
 
 
@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds without a call after which a trainer that still holds this server (hung) "
                             "loses it to another trainer's connect; a crashed or closed trainer loses it at once "
                             "(default 120)")
+    serve.add_argument("--max-version-bytes", type=int,
+                       help="the most bytes one announced version may make this server allocate to receive it; "
+                            "larger announcements are refused before anything is allocated (default: the served "
+                            "model's size, exactly what a valid version holds)")
     serve.set_defaults(fn=cmd_serve)
 
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",

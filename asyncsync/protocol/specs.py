@@ -211,15 +211,17 @@ class BucketPlan:
 LAYOUT_REFUSED = "the tensors sent differ from the ones this server loads"
 
 
-def layout_mismatch(loads: Mapping[str, TensorSpec], sent: Iterable[TensorSpec], shown: int = 3) -> str | None:
+def layout_mismatch(loads: Mapping[str, TensorSpec], sent: Iterable[TensorSpec], shown: int = 3,
+                    part: bool = False) -> str | None:
     """None when ``sent`` is exactly the tensors a server ``loads`` (names, dtypes, shapes, each once);
-    else ``LAYOUT_REFUSED`` and the first few differences on both sides, counted, summaries first."""
+    else ``LAYOUT_REFUSED`` and the first few differences on both sides, counted, summaries first.
+    ``part``: ``sent`` is a part of a version (a bucket): what it lacks is not a difference."""
     seen: dict[str, TensorSpec] = {}
     twice: list[str] = []
     for spec in sent:
         (twice.append(spec.name) if spec.name in seen else seen.__setitem__(spec.name, spec))
     unknown = [n for n in seen if n not in loads]
-    missing = [n for n in loads if n not in seen]
+    missing = [] if part else [n for n in loads if n not in seen]
     other = [f"'{n}' {seen[n].dtype} {seen[n].shape} (loads {w.dtype} {w.shape})" for n, w in loads.items()
              if n in seen and (w.dtype, w.shape) != (seen[n].dtype, seen[n].shape)]
     parts = [f"{len(names)} {what}, e.g. {', '.join(f(n) for n in names[:shown])}" for names, what, f in (

@@ -242,7 +242,7 @@ class BucketStager:
         """Refuse, before any receive is posted or any buffer allocated, a version that names a tensor
         the model does not have, needs more than the staging budget, or arrives on a group not joined;
         the groups are left so that the trainer's broadcasts fail at once instead of waiting."""
-        why = self._unstageable(buckets, req.nbytes)
+        why = self._unstageable(buckets, req.nbytes, whole=True)
         if req.sources and max(req.sources) >= len(self.groups):
             why.append(f"it names group {max(req.sources)}, but {len(self.groups)} were joined")
         if why:
@@ -334,7 +334,7 @@ class BucketStager:
             received = set()
         index = len(self._partial)
         bucket = meta.to_bucket(index)
-        why = self._unstageable((bucket,), sum(m.nbytes for m, _, _ in self._partial) + meta.nbytes)
+        why = self._unstageable((bucket,), sum(m.nbytes for m, _, _ in self._partial) + meta.nbytes, whole=False)
         if why:
             self.discard()
             raise BucketRefused("bucket refused before its broadcast: " + "; ".join(why))
@@ -371,12 +371,13 @@ class BucketStager:
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
 
-    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int) -> list[str]:
+    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int, whole: bool) -> list[str]:
         """Why nothing may be allocated for ``buckets`` (staging ``nbytes`` in all): names the model
-        does not have, or more bytes than the staging budget."""
+        does not have (with ``whole``, a whole version: also what it lacks), or more bytes than the
+        staging budget."""
         specs = [s for b in buckets for s in b.specs]
         unknown = any(s.name not in self.expected for s in specs)
-        why = [layout_mismatch(self.expected, specs) or ""] if unknown else []  # names what it loads, marked lasting
+        why = [layout_mismatch(self.expected, specs, part=not whole) or ""] if unknown else []  # marked lasting
         if nbytes > self.max_version_bytes:
             why.append(f"it needs {nbytes} bytes of staging, more than this receiver's budget of "
                        f"{self.max_version_bytes} (the served model is {self.model_bytes})")

@@ -26,9 +26,10 @@ import pytest
 import torch
 
 from asyncsync import WeightSync
-from asyncsync.config import ServerConfig, WeightSyncConfig
+from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
-from asyncsync.engines.base import Generation
+from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.engines.vllm import VllmEngine
 from asyncsync.models import ModelConfig, build_model, generate
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import free_port
@@ -139,12 +140,18 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
     # A version naming a tensor the checkpoint lacks is refused before vLLM loads anything. Received in
     # the background, it is refused by /finish_weight_update, which leaves vLLM's update session open:
     # the client ends it, so the next version (received inside the RPC this time) goes through.
+    # The trainer learns it at connect (the worker judges the plan); the receive path's own refusal is
+    # checked by a client that skips that check, as one that cannot make it would.
     bad = {**original, "model.layers.0.no_such.weight": torch.zeros(4)}
     with WeightSync.from_config(cfg) as sync:
+        with pytest.raises(ConfigError, match="sent that it does not load, e.g. 'model.layers.0.no_such.weight'"):
+            sync.connect(bad)
+    with pytest.MonkeyPatch.context() as patch, WeightSync.from_config(cfg) as sync:
+        patch.setattr(VllmEngine, "check_layout", EngineClient.check_layout)
         sync.connect(bad)
         refused = sync.publish(bad, 5)
     assert refused.server_versions == {}
-    assert "does not have: " in refused.failures[url] and "'model.layers.0.no_such.weight'" in refused.failures[url]
+    assert "sent that it does not load, e.g. 'model.layers.0.no_such.weight'" in refused.failures[url]
     assert weight_version(url) == "4"
     assert greedy(url) == (tokens0, 4), "a refused version leaves the served weights untouched"
     # An update session left open (a trainer that died after /start_weight_update) is ended by the next.

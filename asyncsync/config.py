@@ -19,6 +19,8 @@ from asyncsync.protocol.wire import RECEIVE_MODES
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
 LAYOUTS = ("checkpoint", "trainer")
+LORA_MODES = ("merged", "adapter")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,55}$")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -97,13 +99,16 @@ class Deadlines:
 
     ``collective_s`` is the ceiling of one broadcast. Once a version has been sent, each broadcast's
     own deadline follows the measured rate: ``broadcast_factor`` times its expected time, at least
-    ``broadcast_floor_s`` (``transport.pace``), so a dead server costs seconds, not ``collective_s``."""
+    ``broadcast_floor_s`` (``transport.pace``), so a dead server costs seconds, not ``collective_s``.
+    ``load_s``: an engine loading an adapter version through its own API (``lora: adapter``); no
+    collective of the trainer waits on it, so it is not part of the trainer ranks' deadline."""
 
     rendezvous_s: float = 60.0
     collective_s: float = 120.0
     http_s: float = 120.0
     broadcast_floor_s: float = 2.0
     broadcast_factor: float = 8.0
+    load_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -138,11 +143,22 @@ class WeightSyncConfig:
     snapshot: str = "device"
     transport: str = "auto"
     layout: str = "checkpoint"
+    lora: str = "merged"
+    lora_name: str = "policy"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)} (checkpoint: the names and layouts "
                               "engines load, from transformers' own conversion; trainer: the module's own names)")
+        if self.lora not in LORA_MODES:
+            raise ConfigError(f"lora: {self.lora!r} is not one of {list(LORA_MODES)} (merged: a PEFT model's adapter merged "
+                              "into the weights sent; adapter: only the adapter per version, loaded by each engine's own "
+                              "LoRA API)")
+        if self.lora == "adapter" and self.layout != "checkpoint":
+            raise ConfigError("lora: adapter sends the base in the checkpoint layout engines load: keep layout: checkpoint")
+        if not isinstance(self.lora_name, str) or not _ADAPTER_NAME.match(self.lora_name):
+            raise ConfigError(f"lora_name: {self.lora_name!r}: expected 1-56 letters, digits, '.', '_' or '-' (versions are "
+                              "served as <lora_name>-v<N>)")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
                               "servers on this host, the data-plane group for the others)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
@@ -80,6 +81,13 @@ class EngineClient(ABC):
         gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
         await client.release()                        # the server may serve another trainer now
         await client.close()
+
+    With ``lora: adapter`` (``protocol/lora.py``) connect also asks ``check_adapter`` and
+    ``serves_base`` (the base is then sent once, as a version, where it is not served), and each
+    version is ``begin_adapter`` / ``update_adapter`` / ``end_adapter`` (the receiver verified the
+    adapter and wrote its PEFT directory), then, off every trainer collective (``transport/adapters.py``),
+    ``load_adapter`` under ``<name>-v<N>`` and ``unload_adapter`` of versions past the staleness bound.
+    ``adapter_versions`` lists the versions the engine serves; ``generate(..., adapter=)`` names one.
 
     ``update`` is sent before the broadcast starts and awaited after it, so no collective ever waits
     on an HTTP answer. Every call raises ``ServerError`` naming the server on failure. Engine policies
@@ -180,8 +188,47 @@ class EngineClient(ABC):
     async def version(self) -> int: ...
 
     @abstractmethod
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS)."""
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS), with
+        the adapter version named ``adapter`` (``<name>-v<N>``: the rollout's version is N), or the
+        weights the server serves."""
+
+    # -- lora: adapter ----------------------------------------------------------------------------
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        """At ``connect``: None when the server can serve ``check``'s adapter on its base, with
+        ``check.loaded`` versions loaded at once; else why not and what to change (the flag to set).
+        Engines without adapter support keep this default refusal."""
+        return f"a {self.kind} server cannot load LoRA adapters at run time: use lora: merged"
+
+    async def serves_base(self, check: BaseCheck) -> bool | None:
+        """At ``connect``: whether the server serves exactly ``check``'s base tensors (False: it is
+        sent the base once); None where it cannot tell and cannot be sent one either (it is assumed to)."""
+        return None
+
+    async def begin_adapter(self, version: int) -> None:
+        """Prepare to receive adapter version ``version`` (nothing to pause: no weights change)."""
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        """Like ``update``, for an adapter version: answered after the receiver verified it (or at
+        once: ``receives_in_background``)."""
+        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
+
+    async def end_adapter(self, version: int) -> None:
+        """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``)."""
+        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        """Load the PEFT directory ``path`` into the engine as ``name``, through the engine's own API."""
+        raise ServerError(self.url, "this server cannot load adapters", status=400)
+
+    async def unload_adapter(self, name: str) -> None:
+        raise ServerError(self.url, "this server cannot unload adapters", status=400)
+
+    async def adapter_versions(self, name: str) -> list[int]:
+        """The versions of adapter ``name`` the engine serves (as ``<name>-v<N>``)."""
+        return []
 
     async def health(self) -> None:
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
 from asyncsync.transport.control import ServerError
@@ -48,14 +49,11 @@ class ReferenceEngine(EngineClient):
 
     async def check_layout(self, check: LayoutCheck) -> str | None:
         try:
-            await self.http.post("/check_layout", check.to_json())
+            return await self._refusal("/check_layout", check.to_json())
         except ServerError as e:
-            if e.status == 404:  # an older server: it refuses a mismatched version when it arrives
-                return await super().check_layout(check)
-            if e.status != 409:
+            if e.status != 404:
                 raise
-            return str(e.detail)
-        return None
+            return await super().check_layout(check)  # an older server: it refuses a mismatched version when it arrives
 
     async def begin(self, version: int) -> None:
         """Nothing to prepare: the server judges a version in ``/update`` and swaps it in at ``/end``
@@ -78,7 +76,49 @@ class ReferenceEngine(EngineClient):
     async def version(self) -> int:
         return int((await self.http.get("/version"))["version"])
 
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+                "adapter": adapter}
         out = await self.http.post("/generate", body)
         return Generation(out["completions"], int(out["weight_version"]))
+
+    # -- lora: adapter (receivers/reference/adapters.py) --------------------------------------------
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        return await self._refusal("/check_adapter", check.to_json())
+
+    async def serves_base(self, check: BaseCheck) -> bool:
+        return await self._refusal("/check_base", check.to_json()) is None
+
+    async def _refusal(self, path: str, body: dict[str, object]) -> str | None:
+        """None when the server accepts ``body`` at ``path``, its reason when it refuses (409)."""
+        try:
+            await self.http.post(path, body)
+        except ServerError as e:
+            if e.status != 409:
+                raise
+            return str(e.detail)
+        return None
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        await self.http.post("/update_adapter", update.to_json())
+
+    async def end_adapter(self, version: int) -> None:
+        await self.http.post("/end_adapter", VersionRequest(version).to_json())
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def adapter_versions(self, name: str) -> list[int]:
+        return served_versions(await self.http.get("/v1/models"), name)
+
+
+def served_versions(models: object, name: str) -> list[int]:
+    """The versions of adapter ``name`` in an OpenAI-style model list (``GET /v1/models``)."""
+    data = models.get("data", []) if isinstance(models, dict) else []
+    found = (parse_version_name(m.get("id", ""), name) for m in data if isinstance(m, dict))
+    return sorted(v for v in found if v is not None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
@@ -254,3 +254,11 @@ def parse_weight_version(url: str, value: Any) -> int:
     except (TypeError, ValueError):
         raise ServerError(url, f"reports weight version {value!r}, which asyncsync did not set: "
                                "versions set by asyncsync are integers") from None
+
+
+def served_versions(models: Any, name: str) -> list[int]:
+    """The versions of adapter ``name`` in an OpenAI-style model list (``GET /v1/models``: vLLM,
+    SGLang and the reference server list every loaded adapter by its name)."""
+    data = models.get("data", []) if isinstance(models, dict) else []
+    found = (parse_version_name(str(m.get("id", "")), name) for m in data if isinstance(m, dict))
+    return sorted(v for v in found if v is not None)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.engines.base import EngineClient, Generation
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
+from asyncsync.engines.base import EngineClient, Generation, served_versions
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
 from asyncsync.transport.control import ServerError
@@ -116,9 +116,3 @@ class ReferenceEngine(EngineClient):
     async def adapter_versions(self, name: str) -> list[int]:
         return served_versions(await self.http.get("/v1/models"), name)
 
-
-def served_versions(models: object, name: str) -> list[int]:
-    """The versions of adapter ``name`` in an OpenAI-style model list (``GET /v1/models``)."""
-    data = models.get("data", []) if isinstance(models, dict) else []
-    found = (parse_version_name(m.get("id", ""), name) for m in data if isinstance(m, dict))
-    return sorted(v for v in found if v is not None)

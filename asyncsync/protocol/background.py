@@ -127,8 +127,8 @@ class BackgroundReceive:
         self._spawn(self.stager.join, specs, rank).result()
 
     def start(self, request: UpdateRequest, served_version: int,
-              expected: Mapping[str, TensorSpec] | None = None) -> None:
-        """Start receiving ``request``'s buckets (checked against ``expected``, default the stager's);
+              carrying: Mapping[str, TensorSpec] | None = None) -> None:
+        """Start receiving ``request``'s buckets (checked against ``carrying``, default the stager's tensors);
         returns at once. Raises ``VersionRejected`` when a version is already in flight or an
         earlier, dropped receive is still running."""
         if self._pending is not None:
@@ -137,7 +137,7 @@ class BackgroundReceive:
         if self._last is not None and not self._last.done():
             raise VersionRejected(f"version {request.version} rejected: a discarded receive is still waiting for "
                                   "its data (until its deadline); send the version again after it")
-        self._pending = self._last = self._spawn(self._receive, request, served_version, self._released, expected)
+        self._pending = self._last = self._spawn(self._receive, request, served_version, self._released, carrying)
         self.version = request.version
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -157,10 +157,10 @@ class BackgroundReceive:
         return future
 
     def _receive(self, request: UpdateRequest, served_version: int, released: Any,
-                 expected: Mapping[str, TensorSpec] | None) -> tuple[StagedVersion, Any]:
+                 carrying: Mapping[str, TensorSpec] | None) -> tuple[StagedVersion, Any]:
         if released is not None:
             self.runtime.wait_event(released)  # the last apply has read the buffers by then
-        staged = self.stager.receive(request, served_version, expected)
+        staged = self.stager.receive(request, served_version, carrying)
         if self._verify is not None:
             self._verify(staged)
         return staged, self.runtime.record()

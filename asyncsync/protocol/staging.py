@@ -131,13 +131,13 @@ class BucketStager:
     # -- a whole version per request ------------------------------------------------------------
 
     def receive(self, req: UpdateRequest, served_version: int,
-                expected: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
+                carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
         ``VersionRejected`` after the last broadcast if anything is wrong. With ``req.shm`` the
         version is mapped from the trainer's shared memory instead (``adopt``): no group is needed.
-        ``expected``: the tensors this version must carry, when not the receiver's own (an adapter's)."""
+        ``carrying``: the tensors this version must carry, when not the receiver's own (an adapter's)."""
         if req.shm is not None:
-            return self.adopt(req, served_version, expected)
+            return self.adopt(req, served_version, carrying)
         group = self._require_group()
         self.discard()
         if req.sources and max(req.sources) >= len(self.groups):
@@ -155,7 +155,7 @@ class BucketStager:
         expected = torch.zeros(n, dtype=torch.int64, device=group.device)
         manifest = group.broadcast_async(expected, req.deadline_s(n)) if req.checksum else None
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_complete(list(buckets), req.version, served_version, expected)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
         crcs = []
         for buf, (source, work) in zip(target.buffers, works):
@@ -171,7 +171,7 @@ class BucketStager:
         return staged
 
     def adopt(self, req: UpdateRequest, served_version: int,
-              expected: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
+              carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """A whole version from the trainer's shared memory (``req.shm``, ``protocol/shm.py``), judged
         as ``receive`` judges one from the wire; raises ``VersionRejected`` if anything is wrong.
 
@@ -187,7 +187,7 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
                                   f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_complete(list(buckets), req.version, served_version, expected)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         _reject_if(problems, req.version)
         try:
             mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
@@ -303,11 +303,11 @@ class BucketStager:
         return [f"{LAYOUT_REFUSED}: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS])] if problems else []
 
     def _check_complete(self, buckets: list[Bucket], version: int, served_version: int,
-                        expected: Mapping[str, TensorSpec] | None = None) -> list[str]:
+                        carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
         problems = []
         if version <= served_version:
             problems.append(f"version {version} is not newer than the served version {served_version}")
-        mismatch = layout_mismatch(self.expected if expected is None else expected, [s for b in buckets for s in b.specs])
+        mismatch = layout_mismatch(self.expected if carrying is None else carrying, [s for b in buckets for s in b.specs])
         return [mismatch, *problems] if mismatch else problems  # first: what the server loads
 
     def check_layout(self, check: LayoutCheck) -> None:

@@ -78,7 +78,7 @@ class Adapter:
             saved[prefix + source] = name
         if not saved:
             raise LayoutError(f"the active adapter '{active[0]}' has no tensors to send")
-        return cls(active[0], adapter_config(config), saved)
+        return cls(active[0], adapter_config(peft, active[0]), saved)
 
     def layout(self, named: Mapping[str, torch.Tensor]) -> WeightLayout:
         """The layout of a version: the adapter's tensors renamed, every other tensor left out."""
@@ -88,13 +88,20 @@ class Adapter:
 
 
 
-def adapter_config(config: Any) -> dict[str, Any]:
-    """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (inference mode), by
-    PEFT's own ``PeftConfig.save_pretrained``; the trainer's config object is not changed."""
-    saving = copy.copy(config)
+def adapter_config(peft: Any, name: str) -> dict[str, Any]:
+    """``adapter_config.json`` of adapter ``name`` as ``PeftModel.save_pretrained`` writes it (in
+    inference mode, with the base model's path and PEFT's auto mapping of a config without a task
+    type), by PEFT's own ``PeftConfig.save_pretrained``; the trainer's config is not changed."""
+    saving = copy.copy(peft.peft_config[name])
     saving.inference_mode = True
+    if saving.base_model_name_or_path is None:
+        saving.base_model_name_or_path = peft.base_model.model.__dict__.get("name_or_path", None) or None
+    mapping = None
+    if saving.task_type is None:
+        base = peft._get_base_model_class(is_prompt_tuning=saving.is_prompt_learning)
+        mapping = {"base_model_class": base.__name__, "parent_library": base.__module__}
     with tempfile.TemporaryDirectory(prefix="asyncsync-adapter-config-") as folder:
-        saving.save_pretrained(folder)
+        saving.save_pretrained(folder, auto_mapping_dict=mapping)
         with open(os.path.join(folder, CONFIG_FILE)) as f:
             return json.load(f)
 

@@ -21,7 +21,8 @@ outlast the ranks' deadline.
 
 Directories: ``slot`` (the trainer session's token and a hash of the server's URL) names the
 server's folder of this trainer's versions; every update tells the receiver which versions to keep
-(``AdapterVersion.keep``: those loaded, the one being loaded, the newest written), the rest are removed.
+(``AdapterVersion.keep``: the one being loaded, and those still served once the new one is), the
+rest are removed.
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ class AdapterLoads:
         return self._servers[url]
 
     def target(self, url: str, version: int) -> AdapterVersion:
-        """Where version ``version`` goes on server ``url``, and which of its versions stay on disk."""
+        """Where version ``version`` goes on server ``url``, and which of its versions stay on disk:
+        the one being loaded, and those still served once ``version`` is (within ``max_staleness``
+        of it). The others are unloaded right after ``version`` loads; until then the engine holds
+        them in memory (vLLM: ``--max-loras`` >= ``max_staleness + 2`` keeps every one cached)."""
         s = self._server(url)
-        keep = s.loaded | {s.written} | ({s.loading} if s.loading is not None else set())
+        keep = {v for v in s.loaded | {s.written} if v >= version - self.max_staleness}
+        if s.loading is not None:
+            keep.add(s.loading)
         return AdapterVersion(self.name, s.slot, self.config, tuple(sorted(v for v in keep if v and v != version)))
 
     def path(self, url: str, version: int) -> str:

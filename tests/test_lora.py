@@ -228,7 +228,7 @@ def test_each_version_is_served_under_its_name_as_the_trainer_decodes_it(servers
                 assert served(s.url, sync.adapter_name(version)) == (want, version), f"{s.url} v{version}"
                 assert served(s.url, None) == (base, 0), "the base's tokens are unchanged"
                 dirs = loaded(s)
-                assert sorted(dirs) == [f"pol-v{v}" for v in (version - 1, version) if v > 0], "older versions unloaded"
+                assert set(dirs) == {f"pol-v{v}" for v in (version - 1, version) if v > 0}, "older versions unloaded"
                 assert all(os.path.isdir(p) for p in dirs.values())
         paths = [p for s in servers for p in loaded(s).values()]
         sync.close()
@@ -341,3 +341,67 @@ def test_an_engine_slower_to_load_than_the_trainer_ranks_deadline_fails_no_rank(
     assert first["publish_s_True"] < 5, "async: publish never waits for a load"
     assert first["served_False"] == {u: 1 for u in urls} and first["served_True"] == {u: 2 for u in urls}
     assert first["tokens_False"] == [True, True] and first["tokens_True"] == [True, True]
+
+
+# -- SGLang: its own load routes, the bytes through a receiver on its host ------------------------------
+
+def test_an_sglang_server_loads_each_version_written_by_the_receiver_on_its_host(servers):
+    """The reference server answers SGLang's API (``/load_lora_adapter`` with SGLang's request structs,
+    checked against SGLang's source in test_sglang_conformance.py) and is its own receiver here."""
+    server = servers[0]
+    model = peft_model()
+    cfg = {**config([server]), "servers": [{"url": server.url, "kind": "sglang", "lora_receiver": server.url}]}
+    with WeightSync.from_config(cfg) as sync:
+        sync.connect(model)
+        start = sync.server_versions[server.url]
+        for version in range(start + 1, start + 4):
+            step(model, version)
+            assert sync.publish(model, version).server_versions == {server.url: version}
+            assert served(server.url, sync.adapter_name(version))[0] == generate(model, PROMPT, 8)[0]
+            assert set(loaded(server)) == {f"pol-v{v}" for v in (version - 1, version) if v > start}
+    with pytest.raises(ConfigError, match="lora_receiver"):
+        WeightSyncConfig.from_dict({"servers": [{"url": server.url, "kind": "sglang"}], "lora": "adapter"})
+
+
+@pytest.mark.parametrize("info, fix", [
+    ({"enable_lora": False}, "--enable-lora"),
+    ({"enable_lora": True, "max_lora_rank": 2}, "--max-lora-rank 4"),
+    ({"enable_lora": True, "lora_target_modules": ["q_proj"]}, "--lora-target-modules q_proj v_proj"),
+    ({"enable_lora": True, "max_loaded_loras": 2}, "--max-loaded-loras 3"),
+], ids=["disabled", "rank", "targets", "loaded"])
+async def test_sglang_s_lora_settings_are_judged_at_connect(info, fix):
+    from conftest import serve_every_path
+
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(info)
+
+    stand_in = await serve_every_path(answer)
+    try:
+        url = str(stand_in.make_url("")).rstrip("/")
+        engine = make_engine(ServerConfig(url, kind="sglang", lora_receiver=url), 10)
+        specs = tuple(TensorSpec(f"base_model.model.layers.0.{m}.lora_{s}.weight", torch.float32, (4, 8))
+                      for m in ("q_proj", "v_proj") for s in "AB")
+        assert fix in await engine.check_adapter(AdapterCheck("pol", {"r": 4}, specs, 3))
+        await engine.close()
+    finally:
+        await stand_in.close()
+
+
+async def test_vllm_without_runtime_lora_updating_is_refused_naming_the_variable():
+    from conftest import serve_every_path
+
+    from aiohttp import web
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    stand_in = await serve_every_path(not_found)
+    try:
+        engine = make_engine(ServerConfig(str(stand_in.make_url("")).rstrip("/"), kind="vllm"), 10)
+        refusal = await engine.check_adapter(AdapterCheck("pol", {"r": 4}, (), 3))
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in refusal and "--enable-lora" in refusal
+        await engine.close()
+    finally:
+        await stand_in.close()

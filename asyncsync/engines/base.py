@@ -111,6 +111,11 @@ class EngineClient(ABC):
         # (reported by the server or timed by the client), None where neither can tell.
         self.last_switch_s: float | None = None
 
+    @classmethod
+    def for_server(cls, server: ServerConfig, timeout_s: float, session: str | None = None) -> EngineClient:
+        """The client of ``server`` (a kind may pick a class by the server's settings)."""
+        return cls(server, timeout_s, session)
+
     @property
     def url(self) -> str:
         return self.server.base_url

@@ -229,6 +229,12 @@ def tensor_crc(t: torch.Tensor) -> int:
     return crc32c_of(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
+def adapter_targets(specs: Iterable[TensorSpec]) -> set[str]:
+    """The last name of every module the LoRA tensors ``specs`` adapt (``q_proj``, ...): what engines
+    list as LoRA target modules."""
+    return {s.name[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for s in specs if ".lora_" in s.name}
+
+
 def rank_of(module: str, config: Mapping[str, Any]) -> int:
     """The rank PEFT gives ``module`` (its name without ``base_model.model.``): the first key of
     ``rank_pattern`` that is a dot-bounded suffix of it, else ``r`` (PEFT's ``get_pattern_key``)."""

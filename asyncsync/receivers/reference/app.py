@@ -80,6 +80,7 @@ WEIGHT_ROUTES = frozenset({
     "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
     "/continue_generation", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/load_lora_adapter", "/unload_lora_adapter",
 })
 SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
 SWEEPER = web.AppKey("sweeper", asyncio.Task)
@@ -119,7 +120,8 @@ class ReferenceServer:
                                         initargs=(self.receiver.runtime,))
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
         self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S),
-                                functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
+                                functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions,
+                                self.adapters)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, PEFT_PREFIX, adapter_problems
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, adapter_targets
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import StagedVersion, VersionRejected
 from asyncsync.receivers.adapters import AdapterFiles
@@ -68,8 +68,7 @@ class WorkerAdapters:
         packed = get_packed_modules_mapping(self.model)
         wrapped = {name.rsplit(".", 1)[-1] for name, m in self.model.named_modules() if isinstance(m, BaseLayerWithLoRA)}
         expected = {m for s in wrapped for m in packed.get(s, [s])}
-        targets = {s.name[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
-                   for s in check.specs if ".lora_" in s.name}
+        targets = adapter_targets(check.specs)
         if targets - expected:
             raise VersionRejected(f"vLLM cannot apply LoRA to {sorted(targets - expected)} of this model (it can to "
                                   f"{sorted(expected)})")

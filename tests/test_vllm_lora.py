@@ -137,7 +137,8 @@ def test_each_version_is_served_under_its_name_as_the_trainer_decodes_it(lora_se
     assert adapters(server.url) == [f"pol-v{version - 1}", f"pol-v{version}"], "older versions unloaded"
     assert served(server.url, None)[0] == base1
     log = (model_dir / "vllm.log").read_text(errors="replace")
-    assert "load_inplace" not in log and "Traceback" not in log
+    assert "in place" not in log, "every version loaded under a new name, from a new path"
+    assert "VersionRejected" not in log and log.count("refused for lora: adapter") == 1, "the base check: one line"
 
 
 def test_connect_refuses_an_adapter_rank_above_max_lora_rank(lora_server):

@@ -39,6 +39,7 @@ from asyncsync.protocol.specs import TensorSpec, dtype_from_name, dtype_name
 from asyncsync.protocol.wire import UpdateRequest, WireError
 
 LORA_ROOT = os.path.join(SHM_DIR, "asyncsync-lora")  # the server host's tmpfs
+ADAPTER_REFUSED = "refused for lora: adapter"  # every receiver's refusal of an AdapterCheck or BaseCheck says this
 CONFIG_FILE = "adapter_config.json"   # PEFT's file names (peft.utils.constants)
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."     # every tensor name PEFT saves from a PeftModel starts with it

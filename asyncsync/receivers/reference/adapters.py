@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name
+from asyncsync.protocol.lora import ADAPTER_REFUSED, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name
 from asyncsync.protocol.staging import StagedVersion, VersionRejected
 from asyncsync.protocol.wire import WireError
 from asyncsync.receivers.adapters import AdapterFiles
@@ -59,16 +59,16 @@ class ServedAdapters:
     def check(self, check: AdapterCheck) -> None:
         problems = adapter_problems(self.receiver.stager.expected, check.specs, check.config)
         if problems:
-            raise VersionRejected(f"adapter '{check.name}' cannot be served on this server's base: " + "; ".join(problems[:3]))
+            raise VersionRejected(f"{ADAPTER_REFUSED}: the adapter does not fit the served model: " + "; ".join(problems[:3]))
         try:
             import peft  # noqa: F401
         except ImportError:
-            raise VersionRejected("this reference server has no peft installed: pip install peft to serve adapters") from None
+            raise VersionRejected(f"{ADAPTER_REFUSED}: this reference server has no peft: pip install peft") from None
 
     def check_base(self, check: BaseCheck) -> None:
         problem = check.mismatch(self.receiver.served())
         if problem is not None:
-            raise VersionRejected(f"this server serves another base: {problem}")
+            raise VersionRejected(f"{ADAPTER_REFUSED}: this server serves another base: {problem}")
 
     def receive(self, update: AdapterUpdate) -> None:
         """Receive and verify one adapter version (every broadcast is taken part in first)."""

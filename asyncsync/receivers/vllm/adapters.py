@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, adapter_targets
+from asyncsync.protocol.lora import (
+    ADAPTER_REFUSED, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, adapter_targets,
+)
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import StagedVersion, VersionRejected
 from asyncsync.receivers.adapters import AdapterFiles
@@ -51,39 +53,38 @@ class WorkerAdapters:
 
         lora = self.vllm_config.lora_config
         if lora is None:
-            raise VersionRejected("this vLLM serves no LoRA adapters: start it with --enable-lora (and "
-                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, for /v1/load_lora_adapter)")
+            refuse("this vLLM serves no LoRA adapters: start it with --enable-lora (and "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, for /v1/load_lora_adapter)")
         if current_platform.is_cpu() and is_moe_model(self.model):
-            raise VersionRejected("a mixture-of-experts model on vLLM's CPU backend cannot serve LoRA adapters (its "
-                                  "fused-MoE LoRA path is Triton-only: the first request would kill the engine); use "
-                                  "lora: merged with a vLLM started without --enable-lora")
+            refuse("a mixture-of-experts model on vLLM's CPU backend cannot serve LoRA adapters (its fused-MoE LoRA "
+                   "path is Triton-only: the first request would kill the engine); use lora: merged with a vLLM "
+                   "started without --enable-lora")
         try:
             PEFTHelper.from_dict(dict(check.config)).validate_legal(lora)
         except ValueError as e:
             fix = f" (start vLLM with --max-lora-rank {check.rank})" if check.rank > lora.max_lora_rank else ""
-            raise VersionRejected(f"vLLM refuses the adapter: {e}{fix}") from None
+            refuse(f"vLLM refuses the adapter: {e}{fix}")
         if lora.max_loras < check.loaded:
-            raise VersionRejected(f"--max-loras {lora.max_loras} is below the {check.loaded} versions served at once "
-                                  f"(max_staleness + 2): start vLLM with --max-loras {check.loaded}")
+            refuse(f"--max-loras {lora.max_loras} is below the {check.loaded} versions served at once "
+                   f"(max_staleness + 2): start vLLM with --max-loras {check.loaded}")
         packed = get_packed_modules_mapping(self.model)
         wrapped = {name.rsplit(".", 1)[-1] for name, m in self.model.named_modules() if isinstance(m, BaseLayerWithLoRA)}
         expected = {m for s in wrapped for m in packed.get(s, [s])}
         targets = adapter_targets(check.specs)
         if targets - expected:
-            raise VersionRejected(f"vLLM cannot apply LoRA to {sorted(targets - expected)} of this model (it can to "
-                                  f"{sorted(expected)})")
+            refuse(f"vLLM cannot apply LoRA to {sorted(targets - expected)} of this model (it can to {sorted(expected)})")
         problems = adapter_problems(self.checkpoint, check.specs, check.config)
         if problems:
-            raise VersionRejected("the adapter does not fit the served model: " + "; ".join(problems[:3]))
+            refuse("the adapter does not fit the served model: " + "; ".join(problems[:3]))
 
     def check_base(self, check: BaseCheck, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise ``VersionRejected`` unless the engine serves exactly ``check``'s base: ``tensors``,
         the checkpoint loaded at start-up, while ``version`` (the last one loaded) is 0."""
         if version:
-            raise VersionRejected(f"this engine serves version {version}, loaded since start-up: it cannot tell its base")
+            refuse(f"this engine serves version {version}, loaded since start-up: it cannot tell its base")
         problem = check.mismatch(tensors)
         if problem is not None:
-            raise VersionRejected(f"this engine serves another base: {problem}")
+            refuse(f"this engine serves another base: {problem}")
 
     def expected(self, update: AdapterUpdate) -> dict[str, TensorSpec]:
         """The tensors version ``update`` must carry: its own (judged by ``verify`` once received)."""
@@ -109,4 +110,11 @@ class WorkerAdapters:
 
     def close(self) -> None:
         self.files.close()
+
+
+def refuse(reason: str) -> NoReturn:
+    """Refuse a check of the trainer's connect: one warning line here (``quiet`` drops vLLM's
+    tracebacks of it), the reason in the trainer's ``ConfigError``."""
+    log.warning("%s: %s", ADAPTER_REFUSED, reason)
+    raise VersionRejected(f"{ADAPTER_REFUSED}: {reason}")
 

@@ -224,16 +224,19 @@ class EngineClient(ABC):
         """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``)."""
         raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
 
+    # vLLM's routes (the reference server takes them too): POST /v1/load_lora_adapter {lora_name, lora_path},
+    # /v1/unload_lora_adapter {lora_name}; GET /v1/models lists every adapter loaded by name.
+
     async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
         """Load the PEFT directory ``path`` into the engine as ``name``, through the engine's own API."""
-        raise ServerError(self.url, "this server cannot load adapters", status=400)
+        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
 
     async def unload_adapter(self, name: str) -> None:
-        raise ServerError(self.url, "this server cannot unload adapters", status=400)
+        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
 
     async def adapter_versions(self, name: str) -> list[int]:
         """The versions of adapter ``name`` the engine serves (as ``<name>-v<N>``)."""
-        return []
+        return served_versions(await self.http.get("/v1/models"), name)
 
     async def health(self) -> None:
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.engines.base import EngineClient, Generation, served_versions
+from asyncsync.engines.base import EngineClient, Generation
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
@@ -107,12 +107,4 @@ class ReferenceEngine(EngineClient):
     async def end_adapter(self, version: int) -> None:
         await self.http.post("/end_adapter", VersionRequest(version).to_json())
 
-    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
-        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
-
-    async def unload_adapter(self, name: str) -> None:
-        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
-
-    async def adapter_versions(self, name: str) -> list[int]:
-        return served_versions(await self.http.get("/v1/models"), name)
 

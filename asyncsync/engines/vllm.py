@@ -50,7 +50,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from asyncsync.config import ServerConfig
-from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version, served_versions
+from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import ServerError
@@ -171,14 +171,6 @@ class VllmEngine(EngineClient):
         await self.http.post("/finish_weight_update")
         self._open = False
 
-    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
-        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
-
-    async def unload_adapter(self, name: str) -> None:
-        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
-
-    async def adapter_versions(self, name: str) -> list[int]:
-        return served_versions(await self.http.get("/v1/models"), name)
 
     async def end(self, version: int) -> int:
         try:

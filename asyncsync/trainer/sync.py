@@ -187,13 +187,15 @@ class WeightSync:
                     assert base is not None
                     self._check_layouts(BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes))  # the base's
                     self._check_adapter(adapter, plan)
+                    self._send_base(model, base)
                 ranks.from_leader(("ready", (plan, owners)))
             else:
+                if adapter is not None:
+                    assert base is not None
+                    self._send_base(model, base)
                 (_, (plan, owners)) = self._follower.until("ready")
             self.plan, self._connected = plan, True
             if adapter is not None:
-                assert base is not None
-                self._send_base(model, base)
                 self._start_loads(adapter)
             self._allocate(plan, named, owners)
         except BaseException as e:

@@ -192,6 +192,11 @@ def test_a_written_version_loads_in_peft_as_the_trainer_computes_it(tmp_path):
     assert generate(served_model, PROMPT, 8) == generate(model, PROMPT, 8)
     files.close()
     assert not (tmp_path / "slot").exists()
+    dead = tmp_path / "left-behind"  # a receiver killed before its clean-up
+    dead.mkdir()
+    (dead / ".writer").write_text("999999999")
+    AdapterFiles(str(tmp_path))
+    assert not dead.exists(), "the next receiver on the host removes it"
 
 
 # -- reference servers ----------------------------------------------------------------------------------

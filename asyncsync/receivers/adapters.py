@@ -10,7 +10,9 @@ its own API (``protocol/lora.py`` has the messages and the directory names)::
     files.close()                                             # at shutdown: every directory written here
 
 A directory is written under a temporary name and renamed into place, so an engine never reads a
-half-written adapter. The tensors are written with the ``safetensors`` library, the format PEFT's
+half-written adapter. Each slot records the pid of the receiver that writes it (``WRITER``); a new
+``AdapterFiles`` removes the slots of receivers that no longer run (a server killed before its
+clean-up), so a crash leaves nothing in tmpfs for long. The tensors are written with the ``safetensors`` library, the format PEFT's
 ``save_pretrained`` writes and every engine's loader reads.
 """
 
@@ -29,6 +31,8 @@ from asyncsync.protocol.lora import CONFIG_FILE, LORA_ROOT, WEIGHTS_FILE, Adapte
 
 log = logging.getLogger(__name__)
 
+WRITER = ".writer"  # in each slot: the pid of the receiver process that writes it
+
 
 class AdapterFiles:
     """PEFT directories of adapter versions under ``root`` (the host's tmpfs), one folder per slot."""
@@ -36,6 +40,8 @@ class AdapterFiles:
     def __init__(self, root: str = LORA_ROOT):
         self.root = root
         self._slots: set[str] = set()
+        for slot in self.sweep():
+            log.warning("removed adapter directories %s: their receiver no longer runs", os.path.join(root, slot))
 
     def write(self, adapter: AdapterVersion, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Write ``version`` (its verified tensors, PEFT's saved names) as a PEFT directory; its path."""
@@ -44,7 +50,10 @@ class AdapterFiles:
         path = adapter.path(version, self.root)
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        self._slots.add(adapter.slot)
+        if adapter.slot not in self._slots:
+            with open(os.path.join(folder, WRITER), "w") as f:
+                f.write(str(os.getpid()))
+            self._slots.add(adapter.slot)
         staging = f"{path}.writing-{os.getpid()}-{secrets.token_hex(3)}"
         os.makedirs(staging)
         try:
@@ -71,6 +80,20 @@ class AdapterFiles:
                 shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
                 removed.append(v)
         return sorted(removed)
+
+    def sweep(self) -> list[str]:
+        """Remove the slots whose writer process is gone (on this host: the pid no longer exists)."""
+        removed = []
+        for slot in os.listdir(self.root) if os.path.isdir(self.root) else ():
+            try:
+                with open(os.path.join(self.root, slot, WRITER)) as f:
+                    os.kill(int(f.read().strip()), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(self.root, slot), ignore_errors=True)
+                removed.append(slot)
+            except (OSError, ValueError):  # being written, or another user's: left alone
+                continue
+        return removed
 
     def close(self) -> None:
         """Remove every slot this receiver wrote into (best effort: at shutdown)."""

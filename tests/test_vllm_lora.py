@@ -168,3 +168,5 @@ def test_connect_refuses_an_engine_that_cannot_serve_the_adapter(tmp_path_factor
                 sync.connect(trainer)
         http_json(server.url + "/health")
         assert adapters(server.url) == [] and http_json(server.url + "/weight_info")["weight_version"] in ("0", "default", None)
+    log = (model_dir / "vllm.log").read_text(errors="replace")
+    assert "VersionRejected" not in log and log.count("refused for lora: adapter") == 1, "one warning line"

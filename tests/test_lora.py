@@ -240,24 +240,25 @@ def test_each_version_is_served_under_its_name_as_the_trainer_decodes_it(servers
         assert sync.errors == [] and sync.events == []
     assert len(set(paths)) == len(paths), "one directory per server, never shared"
     slots = {os.path.dirname(p) for p in paths}
-    assert all(sorted(os.listdir(slot)) == sorted(os.path.basename(p) for p in paths if p.startswith(slot)) for slot in slots), \
+    assert all(sorted(v for v in os.listdir(slot) if parse_version_name(v, "pol")) ==
+               sorted(os.path.basename(p) for p in paths if p.startswith(slot)) for slot in slots), \
         "a version no engine holds is removed from disk"
 
 
 def test_a_base_the_servers_do_not_serve_is_sent_once_at_connect():
     other = ModelConfig(**{**CFG.to_dict(), "seed": 7})
-    with running([ServerProcess(build_model, (other,)) for _ in range(2)]) as servers:
+    with running([ServerProcess(build_model, (other,))]) as (server,):
         model = peft_model()
-        with WeightSync.from_config(config(servers)) as sync:
+        with WeightSync.from_config(config([server])) as sync:
             sync.connect(model)
-            assert [s.get("/version")["version"] for s in servers] == [1, 1], "the base, as version 1"
-            assert served(servers[0].url, None)[0] == base_decode(model)
+            assert server.get("/version")["version"] == 1, "the base, as version 1"
+            assert served(server.url, None)[0] == base_decode(model)
             step(model, 1)
-            assert sync.publish(model, 1).server_versions == {s.url: 1 for s in servers}
-            assert all(served(s.url, "pol-v1")[0] == generate(model, PROMPT, 8)[0] for s in servers)
-        with WeightSync.from_config(config(servers)) as sync:
+            assert sync.publish(model, 1).server_versions == {server.url: 1}
+            assert served(server.url, "pol-v1")[0] == generate(model, PROMPT, 8)[0]
+        with WeightSync.from_config(config([server])) as sync:
             sync.connect(model)
-            assert [s.get("/version")["version"] for s in servers] == [1, 1], "served now: not sent again"
+            assert server.get("/version")["version"] == 1, "served now: not sent again"
 
 
 def test_a_version_one_engine_refuses_to_load_leaves_the_other_serving_it_and_is_reported(servers):
@@ -295,13 +296,13 @@ def as_owner(sync: WeightSync, server: ServerProcess, path: str, body: dict[str,
 
 # -- a slow engine and the trainer ranks' deadline ----------------------------------------------------
 
-SLOW_LOAD_S = 16.0
-DEADLINES = {"rendezvous_s": 3, "collective_s": 3, "http_s": 2, "load_s": 60}  # the ranks' groups: 3 + 3 + 4 x 2 = 14 s
+SLOW_LOAD_S = 11.0
+DEADLINES = {"rendezvous_s": 2, "collective_s": 2, "http_s": 1.5, "load_s": 60}  # the ranks' groups: 2 + 2 + 4 x 1.5 = 10 s
 
 
 def slow_load_ranks(rank: int, world: int, urls: list[str]) -> dict[str, Any]:
     """A rank of a 2-rank FSDP2 trainer of a PEFT model: one version blocking, one async, against a
-    server that takes SLOW_LOAD_S to load each; rank 0 checks what the servers serve."""
+    server that takes SLOW_LOAD_S to load each; rank 0 checks what it serves."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -336,16 +337,16 @@ def test_an_engine_slower_to_load_than_the_trainer_ranks_deadline_fails_no_rank(
     from asyncsync.trainer.local_ranks import run_local_ranks
 
     slow = Faults(call_delay_s=(("/v1/load_lora_adapter", SLOW_LOAD_S),))
-    with running([ServerProcess(build_model, (CFG,)), ServerProcess(build_model, (CFG,), faults=slow)]) as servers:
+    with running([ServerProcess(build_model, (CFG,), faults=slow)]) as servers:
         urls = [s.url for s in servers]
         outcomes = run_local_ranks(slow_load_ranks, 2, (urls,), timeout_s=240)
     assert [o.error for o in outcomes] == [None, None], [o.error for o in outcomes]
     first = outcomes[0].value
-    assert first["blocking"] == ({u: 1 for u in urls}, {}), "blocking: every rank returned once both had loaded it"
+    assert first["blocking"] == ({u: 1 for u in urls}, {}), "blocking: every rank returned once the engine had loaded it"
     assert first["publish_s_False"] >= SLOW_LOAD_S and outcomes[1].value["publish_s_False"] >= SLOW_LOAD_S
     assert first["publish_s_True"] < 5, "async: publish never waits for a load"
     assert first["served_False"] == {u: 1 for u in urls} and first["served_True"] == {u: 2 for u in urls}
-    assert first["tokens_False"] == [True, True] and first["tokens_True"] == [True, True]
+    assert first["tokens_False"] == [True] and first["tokens_True"] == [True]
 
 
 # -- SGLang: its own load routes, the bytes through a receiver on its host ------------------------------

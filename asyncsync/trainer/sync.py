@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncsync.checkpoint import LayoutError
 from asyncsync.config import ConfigError, WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
-from asyncsync.checkpoint import LayoutError
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version_name
 from asyncsync.protocol.specs import BucketPlan
@@ -161,7 +161,8 @@ class WeightSync:
             layout = WeightLayout.of(model, held, cfg.layout == "checkpoint") if adapter is None else adapter.layout(held)
             if sharded and not layout.identity and any(isinstance(s, PeftMerge) for s in layout.conversion.stages):
                 raise ConfigError("a PEFT model on a sharded trainer: asyncsync merges LoRA adapters only in a single "
-                                  "trainer process; merge them yourself and pass convert=, or sync from one process")
+                                  "trainer process; set lora: adapter (the adapter is gathered like any tensor), merge "
+                                  "them yourself and pass convert=, or sync from one process")
             every = converted(model, convert, layout) if convert is not None else held
             if convert is not None:
                 check_tensors(every, sharded)

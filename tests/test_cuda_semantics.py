@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch

@@ -62,7 +62,7 @@ def run_inside(link: Link, code: str, tmp_path: Path) -> float:
     if why is not None:
         pytest.skip(f"cannot emulate a {link.describe()} link here: {why}")
     out = tmp_path / "out.txt"
-    done = netns.run(link, ["sh", "-c", f'"$0" -c "$1" > "$2"', sys.executable, code, str(out)], timeout_s=60)
+    done = netns.run(link, ["sh", "-c", '"$0" -c "$1" > "$2"', sys.executable, code, str(out)], timeout_s=60)
     assert done.skipped is None and done.returncode == 0, done
     return float(out.read_text())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from asyncsync.engines.base import EngineClient, Generation, UnsupportedServer
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import (
     PROTOCOL_VERSION, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
@@ -59,14 +60,11 @@ class ReferenceEngine(EngineClient):
 
     async def check_layout(self, check: LayoutCheck) -> str | None:
         try:
-            await self.http.post("/check_layout", check.to_json())
+            return await self._refusal("/check_layout", check.to_json())
         except ServerError as e:
-            if e.status == 404:  # an older server: it refuses a mismatched version when it arrives
-                return await super().check_layout(check)
-            if e.status != 409:
+            if e.status != 404:
                 raise
-            return str(e.detail)
-        return None
+            return await super().check_layout(check)  # an older server: it refuses a mismatched version when it arrives
 
     async def begin(self, version: int) -> None:
         """Nothing to prepare: the server judges a version in ``/update`` and swaps it in at ``/end``
@@ -89,7 +87,35 @@ class ReferenceEngine(EngineClient):
     async def version(self) -> int:
         return int((await self.http.get("/version"))["version"])
 
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+                "adapter": adapter}
         out = await self.http.post("/generate", body)
         return Generation(out["completions"], int(out["weight_version"]))
+
+    # -- lora: adapter (receivers/reference/adapters.py) --------------------------------------------
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        return await self._refusal("/check_adapter", check.to_json())
+
+    async def serves_base(self, check: BaseCheck) -> bool:
+        return await self._refusal("/check_base", check.to_json()) is None
+
+    async def _refusal(self, path: str, body: dict[str, object]) -> str | None:
+        """None when the server accepts ``body`` at ``path``, its reason when it refuses (409)."""
+        try:
+            await self.http.post(path, body)
+        except ServerError as e:
+            if e.status != 409:
+                raise
+            return str(e.detail)
+        return None
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        await self.http.post("/update_adapter", update.to_json())
+
+    async def end_adapter(self, version: int) -> None:
+        await self.http.post("/end_adapter", VersionRequest(version).to_json())
+
+

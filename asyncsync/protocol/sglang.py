@@ -44,6 +44,7 @@ FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"  # after i
 UPDATED = "Succeeded to update parameter online."
 GROUP_CREATED = "Succeeded to initialize custom process group."
 GROUP_DESTROYED = "Succeeded to destroy custom process group."
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # tokenizer_control_mixin.py
 NO_GROUP_TO_DESTROY = "The group to be destroyed does not exist."
 ANSWERS_AFTER_RECEIVE = (LOAD_FAILED, FLUSH_REFUSED)
 
@@ -248,6 +249,27 @@ class ContinueGeneration(SglangRequest):
 
     STRUCT = "ContinueGenerationReqInput"
     torch_empty_cache: bool = True
+
+
+@dataclass(frozen=True)
+class LoadLoraAdapter(SglangRequest):
+    """``POST /load_lora_adapter``: load the PEFT directory ``lora_path`` (on the server's host) as
+    adapter ``lora_name``; answered ``{"success", "error_message", "loaded_adapters"}``, 400 on failure."""
+
+    STRUCT = "LoadLoRAAdapterReqInput"
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter(SglangRequest):
+    """``POST /unload_lora_adapter``: drop adapter ``lora_name`` (requests using it finish first)."""
+
+    STRUCT = "UnloadLoRAAdapterReqInput"
+    lora_name: str
+    lora_id: str | None = None
 
 
 @dataclass(frozen=True)

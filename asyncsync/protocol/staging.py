@@ -152,11 +152,13 @@ class BucketStager:
 
     # -- a whole version per request ------------------------------------------------------------
 
-    def receive(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+    def receive(self, req: UpdateRequest, served_version: int,
+                carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
         ``VersionRejected`` after the last broadcast if anything is wrong, or before the first one
         (leaving the groups) when the version cannot be received at all. With ``req.shm`` the
         version is mapped from the trainer's shared memory instead (``adopt``): no group is needed.
+        ``carrying``: the tensors this version must carry, when not the receiver's own (an adapter's).
 
         Each frame's header is received and checked before its payload's receive is posted, and the
         bucket before it is checksummed while the payload arrives (on the receiver's side gloo runs
@@ -164,12 +166,12 @@ class BucketStager:
         returns only once its data has arrived (the group's waits block the host), so nothing is
         verified, and no answer given, before the data is really in the buffers."""
         if req.shm is not None:
-            return self.adopt(req, served_version)
+            return self.adopt(req, served_version, carrying)
         group = self._require_group()
         self.discard()
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        self._refuse_unreceivable(req, buckets)
-        problems = self._check_complete(list(buckets), req.version, served_version)
+        self._refuse_unreceivable(req, buckets, carrying)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         target = self._set_for(req.buckets)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
         n = len(req.buckets)
@@ -238,18 +240,20 @@ class BucketStager:
         group.wait(work)
         return FrameHeader.parse(buf)
 
-    def _refuse_unreceivable(self, req: UpdateRequest, buckets: tuple[Bucket, ...]) -> None:
+    def _refuse_unreceivable(self, req: UpdateRequest, buckets: tuple[Bucket, ...],
+                             carrying: Mapping[str, TensorSpec] | None = None) -> None:
         """Refuse, before any receive is posted or any buffer allocated, a version that names a tensor
-        the model does not have, needs more than the staging budget, or arrives on a group not joined;
+        it must not carry, needs more than the staging budget, or arrives on a group not joined;
         the groups are left so that the trainer's broadcasts fail at once instead of waiting."""
-        why = self._unstageable(buckets, req.nbytes, whole=True)
+        why = self._unstageable(buckets, req.nbytes, whole=True, carrying=carrying)
         if req.sources and max(req.sources) >= len(self.groups):
             why.append(f"it names group {max(req.sources)}, but {len(self.groups)} were joined")
         if why:
             self.close(broken=True)
             _reject_if([*why, f"nothing was received; call {self.join_route} again"], req.version)
 
-    def adopt(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+    def adopt(self, req: UpdateRequest, served_version: int,
+              carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """A whole version from the trainer's shared memory (``req.shm``, ``protocol/shm.py``), judged
         as ``receive`` judges one from the wire; raises ``VersionRejected`` if anything is wrong.
 
@@ -265,7 +269,7 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
                                   f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_complete(list(buckets), req.version, served_version)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         _reject_if(problems, req.version)
         try:
             mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
@@ -371,13 +375,15 @@ class BucketStager:
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
 
-    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int, whole: bool) -> list[str]:
+    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int, whole: bool,
+                     carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
         """Why nothing may be allocated for ``buckets`` (staging ``nbytes`` in all): names the model
         does not have (with ``whole``, a whole version: also what it lacks), or more bytes than the
         staging budget."""
+        expected = self.expected if carrying is None else carrying
         specs = [s for b in buckets for s in b.specs]
-        unknown = any(s.name not in self.expected for s in specs)
-        why = [layout_mismatch(self.expected, specs, part=not whole) or ""] if unknown else []  # marked lasting
+        unknown = any(s.name not in expected for s in specs)
+        why = [layout_mismatch(expected, specs, part=not whole) or ""] if unknown else []  # marked lasting
         if nbytes > self.max_version_bytes:
             why.append(f"it needs {nbytes} bytes of staging, more than this receiver's budget of "
                        f"{self.max_version_bytes} (the served model is {self.model_bytes})")
@@ -397,11 +403,12 @@ class BucketStager:
             seen.add(spec.name)
         return [f"{LAYOUT_REFUSED}: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS])] if problems else []
 
-    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int) -> list[str]:
+    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int,
+                        carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
         problems = []
         if version <= served_version:
             problems.append(f"version {version} is not newer than the served version {served_version}")
-        mismatch = layout_mismatch(self.expected, [s for b in buckets for s in b.specs])
+        mismatch = layout_mismatch(self.expected if carrying is None else carrying, [s for b in buckets for s in b.specs])
         return [mismatch, *problems] if mismatch else problems  # first: what the server loads
 
     def check_layout(self, check: LayoutCheck) -> None:

@@ -57,27 +57,31 @@ _WRAPPERS = (
 )
 
 
-def _is(module: torch.nn.Module, library: str, cls: str) -> bool:
+def is_class(module: torch.nn.Module, library: str, cls: str) -> bool:
     return any(c.__name__ == cls and c.__module__.startswith(library) for c in type(module).__mro__)
 
 
 def _wrapped_attribute(module: torch.nn.Module) -> str | None:
-    return next((attr for library, cls, attr in _WRAPPERS if _is(module, library, cls)), None)
+    return next((attr for library, cls, attr in _WRAPPERS if is_class(module, library, cls)), None)
 
 
-def clean_paths(module: torch.nn.Module) -> dict[str, str | None]:
+def clean_paths(module: torch.nn.Module, base_only: bool = False) -> dict[str, str | None]:
     """Every submodule's path -> its path without wrapper segments (None: not sent, such as PEFT's
-    ``original_module`` beside ``modules_to_save``, or an inactive adapter's copy there)."""
+    ``original_module`` beside ``modules_to_save``, or an inactive adapter's copy there). With
+    ``base_only`` (``lora: adapter``: the base the adapters apply to) PEFT's additions are not sent:
+    a LoRA layer's adapter modules, and ``modules_to_save`` copies (the ``original_module`` is)."""
     out: dict[str, str | None] = {"": ""}
     for path, m in module.named_modules(remove_duplicate=False):
         clean = out[path]
         wrapped = _wrapped_attribute(m)
         dot = f"{path}." if path else ""
-        if _is(m, "peft", "ModulesToSaveWrapper"):  # original_module, modules_to_save.{adapter}
-            out[f"{dot}original_module"] = None
-            out[f"{dot}modules_to_save"] = clean
+        if base_only and clean is not None and is_class(m, "peft.tuners.lora", "LoraLayer"):
+            out.update({f"{dot}{attr}": None for attr in m._modules if attr != "base_layer"})
+        if is_class(m, "peft", "ModulesToSaveWrapper"):  # original_module, modules_to_save.{adapter}
+            out[f"{dot}original_module"] = clean if base_only else None
+            out[f"{dot}modules_to_save"] = None if base_only else clean
             for adapter in m.modules_to_save:
-                out[f"{dot}modules_to_save.{adapter}"] = clean if adapter in _active_adapters(m) else None
+                out[f"{dot}modules_to_save.{adapter}"] = clean if adapter in _active_adapters(m) and not base_only else None
         for attr in m._modules:
             child = f"{dot}{attr}"
             if child not in out:
@@ -95,8 +99,8 @@ def _active_adapters(m: torch.nn.Module) -> list[str]:
 class Unwrap(Stage):
     """Renames every tensor to its name without wrapper segments; drops what is not sent."""
 
-    def __init__(self, module: torch.nn.Module):
-        paths = clean_paths(module)
+    def __init__(self, module: torch.nn.Module, base_only: bool = False):
+        paths = clean_paths(module, base_only)
         self.names: dict[str, str | None] = {}
         for path, m in module.named_modules(remove_duplicate=False):
             clean = paths.get(path)
@@ -131,7 +135,7 @@ class PeftMerge(Stage):
         self.layers: dict[str, torch.nn.Module] = {}  # base weight name -> its LoRA layer
         self.members: dict[str, tuple[str, ...]] = {}  # base weight name -> every tensor of the group
         for path, m in module.named_modules(remove_duplicate=False):
-            if not _is(m, "peft.tuners.lora", "LoraLayer"):
+            if not is_class(m, "peft.tuners.lora", "LoraLayer"):
                 continue
             dot = f"{path}." if path else ""
             base = f"{dot}base_layer.weight"
@@ -195,16 +199,17 @@ class Prefixed(Stage):
         return {**rest, **{self.prefix + n: t for n, t in converted.items()}}
 
 
-def conversion_for(module: torch.nn.Module) -> Conversion:
-    """The stages that take ``module``'s tensors to its engines' layout (none for a plain module)."""
+def conversion_for(module: torch.nn.Module, base_only: bool = False) -> Conversion:
+    """The stages that take ``module``'s tensors to its engines' layout (none for a plain module);
+    ``base_only``: the base model under a PEFT adapter, without merging it (``lora: adapter``)."""
     stages: list[Stage] = []
     peft = PeftMerge(module)
-    if peft.layers:
+    if peft.layers and not base_only:
         stages.append(peft)
-    unwrap = Unwrap(module)
+    unwrap = Unwrap(module, base_only)
     if unwrap.changes:
         stages.append(unwrap)
-    paths = clean_paths(module)
+    paths = clean_paths(module, base_only)
     outer: list[str] = []
     for path, m in module.named_modules():
         clean = paths.get(path)
@@ -229,10 +234,13 @@ class WeightLayout:
         self.identity = all(g.renamed and g.sources[0] == g.targets[0].name for g in groups)
 
     @classmethod
-    def of(cls, weights: Any, named: Mapping[str, torch.Tensor], convert_layout: bool = True) -> WeightLayout:
+    def of(cls, weights: Any, named: Mapping[str, torch.Tensor], convert_layout: bool = True,
+           base_only: bool = False) -> WeightLayout:
         """The layout of ``named`` (every tensor of ``weights``, by its name in ``weights``); the
-        identity for a mapping or with ``convert_layout`` off. Raises ``LayoutError``."""
-        conversion = conversion_for(weights) if convert_layout and isinstance(weights, torch.nn.Module) else Conversion([])
+        identity for a mapping or with ``convert_layout`` off. ``base_only``: a PEFT model's base,
+        its adapters left out (``conversion_for``). Raises ``LayoutError``."""
+        convert = convert_layout and isinstance(weights, torch.nn.Module)
+        conversion = conversion_for(weights, base_only) if convert else Conversion([])
         meta = meta_tensors(named)
         layout = cls(conversion, conversion.plan(meta), {n: TensorSpec.of(n, t) for n, t in meta.items()})
         if not layout.identity:

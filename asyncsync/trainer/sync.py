@@ -6,6 +6,11 @@ background and ``publish`` returns at once. Both modes run the same pipeline: th
 (``PackedBuffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
 differ in where the bytes are packed from (the live weights into a ring of a few buckets, or a snapshot).
 
+With ``lora: adapter`` a PEFT model's versions are its adapter's tensors only (``trainer/adapter.py``):
+``connect`` also has every server judge the adapter and sends the base once where it is not served,
+and each version is loaded into every engine under ``<name>-v<N>`` by the control loop
+(``transport/adapters.py``), never inside a trainer collective.
+
 A sharded trainer (FSDP2, DTensors on a DeviceMesh) calls every method on every rank, like a
 collective (``trainer_ranks: auto``). Rank 0 talks to the servers and plans; every rank sends the
 buckets it owns (``trainer.shards``: the owner gathers that bucket's pieces from the other ranks),
@@ -20,10 +25,15 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
+from asyncsync.checkpoint import LayoutError
 from asyncsync.config import ConfigError, WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
+from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version_name
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
+from asyncsync.trainer.adapter import Adapter
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.layout import PeftMerge, WeightLayout
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
@@ -33,15 +43,17 @@ from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader
                                       weights_device)
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import Sender, SyncWorker
+from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import BucketSource, follow_version, send_version
+from asyncsync.transport.send import SLACK_S, BucketSource, follow_version, send_version
 from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+LOAD_ROUND_S = 0.5  # a blocking publish waits for adapter loads in rounds this long, every rank told after each
 
 
 class WeightSync:
@@ -80,6 +92,8 @@ class WeightSync:
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
         self._errors_at_close: list[str] = []
+        self._loads: AdapterLoads | None = None  # lora: adapter: rank 0's loads of each version into the engines
+        self._base_pools: list[SegmentPool] = []  # the base's segments same-host servers serve from (lora: adapter)
         self.session = new_session()  # the trainer session that owns the servers from connect() to close()
 
     @classmethod
@@ -142,33 +156,48 @@ class WeightSync:
             held = all_tensors(model)
             if convert is None:
                 check_tensors(held, sharded)  # no server hears of weights that cannot be sent
-            layout = WeightLayout.of(model, held, cfg.layout == "checkpoint")  # the engines' names (trainer/layout.py)
+            adapter, base = self._adapter_of(model, held, convert)
+            # the engines' names (trainer/layout.py); lora: adapter sends the adapter's (trainer/adapter.py)
+            layout = WeightLayout.of(model, held, cfg.layout == "checkpoint") if adapter is None else adapter.layout(held)
             if sharded and not layout.identity and any(isinstance(s, PeftMerge) for s in layout.conversion.stages):
                 raise ConfigError("a PEFT model on a sharded trainer: asyncsync merges LoRA adapters only in a single "
-                                  "trainer process; merge them yourself and pass convert=, or sync from one process")
+                                  "trainer process; set lora: adapter (the adapter is gathered like any tensor), merge "
+                                  "them yourself and pass convert=, or sync from one process")
             every = converted(model, convert, layout) if convert is not None else held
             if convert is not None:
                 check_tensors(every, sharded)
             self.runtime = runtime = runtime_for(weights_device(every))
             self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
             if ranks.leader:
-                ties = self._connect_servers(every if convert is not None else model, None if convert else layout)
+                ties = self._connect_servers(every if convert is not None else model, None if convert else base or layout)
             else:
                 self._follower = Follower(ranks, runtime)
                 (_, ties) = self._follower.until("names")
             if convert is None:
                 layout = layout.keeping(ties.drop(held))  # a tied weight's second name is not sent
+                base = base.keeping(ties.drop(held)) if base is not None else None
             self._reader.close()
             self._reader = WeightsReader(ties, sharded, convert, layout)
             self.layout = layout if convert is None else None
             named = self._reader.read(model).tensors()  # this rank's view, read once here
             if ranks.leader:
                 plan, owners = self._plan(named)
-                self._check_layouts(plan)  # a plan a server would refuse at every version fails here
+                if adapter is None:
+                    self._check_layouts(plan)  # a plan a server would refuse at every version fails here
+                else:
+                    assert base is not None
+                    self._check_layouts(BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes))  # the base's
+                    self._check_adapter(adapter, plan)
+                    self._send_base(model, base)
                 ranks.from_leader(("ready", (plan, owners)))
             else:
+                if adapter is not None:
+                    assert base is not None
+                    self._send_base(model, base)
                 (_, (plan, owners)) = self._follower.until("ready")
             self.plan, self._connected = plan, True
+            if adapter is not None:
+                self._start_loads(adapter)
             self._allocate(plan, named, owners)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
@@ -183,6 +212,118 @@ class WeightSync:
         log.info("connected: %s mode, rank %d of %d, pack backend %s, %d bucket(s), %.1f MB of sync buffers on the "
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
+
+    def _adapter_of(self, model: Weights, held: dict[str, Any], convert: Convert | None
+                    ) -> tuple[Adapter | None, WeightLayout | None]:
+        """``lora: adapter``: the model's active adapter and the layout of its base; (None, None) otherwise."""
+        if self.config.lora != "adapter":
+            return None, None
+        if convert is not None or not isinstance(model, torch.nn.Module):
+            raise ConfigError("lora: adapter sends a peft.PeftModel's adapter: pass the PEFT model itself to connect(), "
+                              "without convert=")
+        try:
+            return Adapter.of(model, held), WeightLayout.of(model, held, True, base_only=True)
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_adapter(self, adapter: Adapter, plan: BucketPlan) -> None:
+        """Rank 0: raise ``ConfigError`` unless every server can serve the adapter (``check_adapter``:
+        LoRA enabled, its rank, its targets, the versions held at once), before anything is sent."""
+        cfg = self.config
+        check = AdapterCheck(cfg.lora_name, adapter.config, plan.specs, cfg.max_staleness + 2)
+        refused = {url: why for m in self._members for url, why in m.refusals(lambda e: e.check_adapter(check),
+                                                                             "check_adapter").items()}
+        if refused:
+            url, why = next(iter(refused.items()))
+            raise ConfigError(f"{len(refused)} server(s) cannot serve the adapter (lora: adapter): {url}: {why}")
+
+    def _send_base(self, model: Weights, base: WeightLayout) -> None:
+        """Every rank, at connect (``lora: adapter``): the base, as one version, to each group holding
+        a server that does not serve it (a sharded trainer cannot fingerprint its shards: its servers
+        always get it); ``ConfigError`` when a server refuses it."""
+        cfg, ranks = self.config, self.ranks
+        reader = WeightsReader(self._reader.ties, ranks.world > 1, None, base)
+        try:
+            named = reader.read(model).tensors()
+        finally:
+            reader.close()
+        if ranks.leader:
+            plan = BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes,
+                                          any(m.single_dtype_buckets for m in self._members), ranks.world > 1)
+            sources = self._members[0].sources
+            owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
+            todo = self._without_base(named)
+            version = 1 + max((v for m in todo for v in m.member_versions().values()), default=0)
+            setup = (version, plan, owners) if todo else None
+            ranks.from_leader(("base", setup))
+        else:
+            assert self._follower is not None
+            (_, setup) = self._follower.until("base")
+        if setup is None:
+            return
+        version, plan, owners = setup
+        ring, _ = self._buffers(plan, named, owners, "device", layout=base)
+        if not ranks.leader:
+            follow_version(self._follower, plan, ring().packing(named), cfg.checksum)
+            return
+        for m in todo:
+            log.info("sending the base (%.1f MB) as version %d to %s", plan.total_bytes / 1e6, version,
+                     [e.url for e in m.members])
+            result = send_version(m, version, plan, self._base_source(m, plan, named, ring))
+            if result.failures:
+                url, why = next(iter(result.failures.items()))
+                raise ConfigError(f"the base (lora: adapter) could not be sent to {url}: {why}")
+
+    def _without_base(self, named: Any) -> list[Membership]:
+        """Rank 0: the memberships with a server that does not serve the base ``named`` (each server
+        compares CRC32Cs; a sharded trainer's servers are all sent it)."""
+        if self.ranks.world > 1:
+            return list(self._members)
+        check = BaseCheck(tuple((n, tensor_crc(t)) for n, t in named.items()))
+        todo = []
+        for m in self._members:
+            answers = m.call_all(m.members, lambda e: e.serves_base(check), "serves_base")
+            unknown = [u for u, a in answers.items() if a is None]
+            if unknown:
+                log.warning("%s cannot tell which base they serve: the adapter is applied to what they serve", unknown)
+            if any(a is False or isinstance(a, BaseException) for a in answers.values()):
+                todo.append(m)
+        return todo
+
+    def _base_source(self, members: Membership, plan: BucketPlan, named: Any, ring: Any) -> BucketSource:
+        """Where the base is sent from: a ring packed from the live weights, or, with a server on
+        shared memory, a segment it then serves from (kept until ``close``)."""
+        if not members.shared:
+            return ring().packing(named)
+        assert self.runtime is not None and self._packer is not None
+        pool = SegmentPool([b.nbytes for b in plan.buckets])
+        self._base_pools.append(pool)
+        members.pool = pool
+        buffers = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, None, pool)
+        buffers.pack_all(named)
+        return buffers.packed()
+
+    def _start_loads(self, adapter: Adapter) -> None:
+        """Rank 0: the servers' versions become the adapter's (those they already serve are adopted,
+        and unloaded like this session's once they fall behind)."""
+        if not self.ranks.leader:
+            return
+        cfg = self.config
+        assert self._control is not None
+        self._loads = loads = AdapterLoads(cfg.lora_name, adapter.config, self.session, cfg.max_staleness,
+                                           self._control, self.metrics, cfg.deadlines.load_s)
+        for m in self._members:
+            m.adapter = cfg.lora_name
+            served = m.call_all(m.members, lambda e: e.adapter_versions(cfg.lora_name), "adapter_versions")
+            for url, versions in served.items():
+                listed = versions if isinstance(versions, list) else []
+                loads.adopt(url, listed)
+                m.server_versions[url] = max(listed, default=0)
+
+    def adapter_name(self, version: int) -> str:
+        """The name version ``version`` of the adapter is served under (``lora: adapter``): pass it to
+        a generation request (``EngineClient.generate(..., adapter=)``) to be served that version."""
+        return version_name(self.config.lora_name, version)
 
     def _connect_servers(self, weights: Weights, layout: WeightLayout | None) -> TiedNames:
         """Rank 0 (or the single process): the data-plane groups with every server, then the names
@@ -234,16 +375,18 @@ class WeightSync:
         return plan, balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
 
     def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
-                 pool: SegmentPool | None = None) -> tuple[Any, Any]:
+                 pool: SegmentPool | None = None, layout: WeightLayout | None = None) -> tuple[Any, Any]:
         """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
-        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)."""
+        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)
+        of ``plan`` in ``layout`` (default: the versions')."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
         if ranks.world > 1 or (snapshot == "host" and pool is None):
-            converts = self.layout is not None and not self.layout.identity
-            assembled = plan if not converts else SourcePlan(tuple(self.layout.source_bucket(b) for b in plan.buckets))
+            weights = layout or self.layout
+            converts = weights is not None and not weights.identity
+            assembled = plan if not converts else SourcePlan(tuple(weights.source_bucket(b) for b in plan.buckets))
             layout = ShardLayout.of(assembled, sources(named), ranks.world, owners)
-            conversion = self.layout.conversion if converts else None
+            conversion = weights.conversion if converts else None
             return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion),
                     lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
@@ -258,7 +401,8 @@ class WeightSync:
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
             return
         if self.ranks.leader:
-            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
+            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res, self._loads)
+                                     for m in self._members]
             served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
             reachable = lambda: any(m.reachable() for m in self._members)  # noqa: E731
         else:
@@ -268,6 +412,8 @@ class WeightSync:
         assert self.runtime is not None
         self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served,
                                   reachable)
+        if self._loads is not None:
+            self._loads.on_change = self._worker.poke  # a load moves the servers' versions (wait_for_fresh_servers)
 
     def memory(self, model: Weights) -> dict[str, dict[str, int]]:
         """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
@@ -332,10 +478,15 @@ class WeightSync:
         self._last_version = version
         self.metrics.count("published")
         try:
-            if self.ranks.leader:
-                result = send_version(self._members[0], version, self.plan, source, result)  # blocking mode has one membership
+            if self.ranks.leader:  # blocking mode has one membership
+                result = send_version(self._members[0], version, self.plan, source, result, self._loads)
+                if self._loads is not None:
+                    self._await_loads(result)
             else:
-                result = self._follow(version, source) or result
+                followed = self._follow(version, source)
+                if followed is not None and self.config.lora == "adapter":
+                    self._await_loads(followed)
+                result = followed or result
         except TrainerRankLost as e:
             self._lost = str(e)
             raise
@@ -343,6 +494,33 @@ class WeightSync:
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
+
+    def _await_loads(self, result: SyncResult) -> None:
+        """Blocking mode, ``lora: adapter``: return once every server that wrote ``result``'s version
+        loaded it or failed to (``result`` then says which). Rank 0 waits in rounds of
+        ``LOAD_ROUND_S`` and tells every other rank after each whether the loads are over, so each
+        collective is answered within a round however long an engine takes: none waits on a load."""
+        if not self.ranks.leader:
+            assert self._follower is not None
+            while not self._follower.until("loading")[1]:
+                pass
+            return
+        assert self._loads is not None
+        urls = list(result.server_versions)
+        give_up = time.monotonic() + self.config.deadlines.load_s * 2 + SLACK_S  # the loads' own deadlines end them first
+        t0 = time.perf_counter()
+        while True:
+            outcome = self._loads.wait(result.version, urls, LOAD_ROUND_S)
+            over = outcome is not None or time.monotonic() > give_up
+            self.ranks.from_leader(("loading", over))
+            if over:
+                break
+        outcome = outcome or {u: f"{self.adapter_name(result.version)}: no load ended in time" for u in urls}
+        result.server_versions = {u: v for u, v in outcome.items() if isinstance(v, int)}
+        result.failures.update({u: v for u, v in outcome.items() if isinstance(v, str)})
+        result.apply_s += time.perf_counter() - t0
+        result.finished = time.perf_counter()
+        result.total_s = result.finished - result.started
 
     def _blocking_source(self, named: dict[str, Any], result: SyncResult) -> tuple[BucketSource, float]:
         """Blocking mode's buckets and the seconds packed ahead: with a server on shared memory, the
@@ -423,6 +601,9 @@ class WeightSync:
                 self._tell_followers(("stop",))
             else:
                 self._await_stop()
+        if self._loads is not None:  # after the other ranks were let go: the last version's loads end
+            self._loads.drain(self.config.deadlines.load_s + SLACK_S)
+            self._loads = None
         self._versions_at_close.update(self.server_versions)
         for m in self._members:
             m.close()
@@ -434,6 +615,9 @@ class WeightSync:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for pool in self._base_pools:
+            pool.close()
+        self._base_pools = []
         self._reader.close()
         if self._follower is not None:
             self._follower.drop_group()

@@ -160,6 +160,11 @@ class SyncWorker:
                                 timeout)
             return self.served(version) >= version
 
+    def poke(self) -> None:
+        """Something ``served`` reads changed outside the senders (an adapter version was loaded)."""
+        with self._cond:
+            self._cond.notify_all()
+
     @property
     def errors(self) -> list[str]:
         with self._cond:

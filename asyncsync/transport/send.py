@@ -27,11 +27,13 @@ from asyncsync.engines.base import EngineClient
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.lora import AdapterUpdate
 from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.control import ServerError
 from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
+from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups
@@ -63,8 +65,13 @@ class BucketSource(Protocol):
 
 
 def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
-                 result: SyncResult | None = None) -> SyncResult:
+                 result: SyncResult | None = None, adapter: AdapterLoads | None = None) -> SyncResult:
     """Broadcast every bucket of ``plan`` from ``source`` and have every member apply ``version``.
+
+    With ``adapter`` (``lora: adapter``) the version is an adapter's: each member verifies it and
+    writes its directory (``result.server_versions``: the members that wrote it), and once the other
+    trainer ranks were told the version is done, ``adapter`` loads it into each engine (their
+    ``members.server_versions`` move then), off every trainer collective.
 
     The time ``source.bucket`` and ``source.checksum`` take is counted as ``pack_s``. Never raises for
     a server's failure: see ``result.failures`` and the metrics' events. Raises what ``source.bucket``
@@ -110,15 +117,23 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
 
     async def begin_and_update(e: EngineClient) -> None:
         try:
-            await within(e, e.begin(version), deadline(e, "begin"), "begin")
-            await within(e, e.update(requests.get(e.url, request)), deadline(e, "update"), "update")
+            if adapter is None:
+                await within(e, e.begin(version), deadline(e, "begin"), "begin")
+                await within(e, e.update(requests.get(e.url, request)), deadline(e, "update"), "update")
+            else:
+                await within(e, e.begin_adapter(version), deadline(e, "begin"), "begin")
+                update = AdapterUpdate(requests.get(e.url, request), adapter.target(e.url, version))
+                await within(e, e.update_adapter(update), deadline(e, "update"), "update")
         except Exception:
             await abort(e)
             raise
 
     async def end(e: EngineClient) -> int:
         try:
-            return await within(e, e.end(version), deadline(e, "end"), "end")
+            if adapter is None:
+                return await within(e, e.end(version), deadline(e, "end"), "end")
+            await within(e, e.end_adapter(version), deadline(e, "end"), "end")
+            return version  # written; served once loaded
         except Exception:
             await abort(e)
             raise
@@ -170,9 +185,10 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
-    result.switch_s = {e.url: e.last_switch_s for e in took
-                       if e.url in result.server_versions and e.last_switch_s is not None}
-    members.server_versions.update(result.server_versions)
+    if adapter is None:
+        result.switch_s = {e.url: e.last_switch_s for e in took
+                           if e.url in result.server_versions and e.last_switch_s is not None}
+        members.server_versions.update(result.server_versions)
     for url in result.server_versions:
         members.refusing.pop(url, None)
     if members.pool is not None:
@@ -197,6 +213,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.finished = time.perf_counter()
     result.total_s = result.finished - result.started
     ranks.from_leader(("done", result))
+    if adapter is not None:  # the trainer ranks are released: no collective waits on a load
+        adapter.offer([e for e in took if e.url in result.server_versions], version, members.server_versions)
     return result
 
 

@@ -23,6 +23,10 @@ Routes (JSON in and out)::
                             the staged version in; generation was held s seconds for the swap;
                             ``holds``: the trainer's segments the live weights map
 
+LoRA adapters (``lora: adapter``: /check_adapter, /check_base, /update_adapter, /end_adapter,
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/models; ``/generate`` takes ``"adapter":
+"<name>-v<N>"``) are in ``asyncsync.receivers.reference.adapters``.
+
 One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
 its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
 another session than the owner are answered 423 until the owner is gone (released, its rendezvous
@@ -67,10 +71,12 @@ from asyncsync.protocol.group import Abandoner, DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, check_name, parse_version_name
 from asyncsync.protocol.wire import (
     MAX_SESSION_CHARS, OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, InitGroupRequest, LayoutCheck,
     UpdateRequest, VersionRequest, WireError, sane_text, short, shown,
 )
+from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.transport.control import new_event_loop
@@ -93,7 +99,8 @@ WEIGHT_QUEUE_S = 10.0
 WEIGHT_ROUTES = frozenset({
     "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
-    "/continue_generation",
+    "/continue_generation", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/load_lora_adapter", "/unload_lora_adapter",
 })
 SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
 SWEEPER = web.AppKey("sweeper", asyncio.Task)
@@ -131,6 +138,7 @@ class ReferenceServer:
         self.joins = Abandoner()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock,
                                        model=model, max_version_bytes=max_version_bytes, abandoner=self.joins)
+        self.adapters = ServedAdapters(model, self.receiver, self.serve_lock)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
         # at a lower CPU priority than generation (and so do the threads of the groups it creates).
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=enter_background_thread,
@@ -139,7 +147,7 @@ class ReferenceServer:
         self._busy: tuple[str, float] | None = None  # the data-plane call running, and since when
         self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S, self.joins),
                                 self._data_plane, model_info(model, sglang_sessions), sglang_sessions,
-                                on_join=self.joins.abandon)
+                                on_join=self.joins.abandon, adapters=self.adapters)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],
@@ -151,6 +159,10 @@ class ReferenceServer:
             web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
             web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
+            web.post("/check_adapter", self.check_adapter), web.post("/check_base", self.check_base),
+            web.post("/update_adapter", self.update_adapter), web.post("/end_adapter", self.end_adapter),
+            web.post("/v1/load_lora_adapter", self.load_adapter), web.post("/v1/unload_lora_adapter", self.unload_adapter),
+            web.get("/v1/models", self.list_models),
             *self.sglang.routes(),
         ])
         app.on_startup.append(self._start_sweeping)
@@ -172,6 +184,7 @@ class ReferenceServer:
     async def _close(self, app: web.Application) -> None:
         app[SWEEPER].cancel()
         self.sglang.close()
+        self.adapters.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)
         self._gen.shutdown(wait=False, cancel_futures=True)
@@ -217,6 +230,8 @@ class ReferenceServer:
             return _error(OWNED_STATUS, str(e))
         except web.HTTPRequestEntityTooLarge as e:
             return _error(413, f"the body is larger than this server takes ({e.reason}): send a smaller request")
+        except AdapterNotFound as e:
+            return _error(404, short(str(e)))
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -294,11 +309,15 @@ class ReferenceServer:
         seed = body.get("seed")
         if seed is not None:
             _int(body, "seed", 0, 0, MAX_SEED)
+        adapter = body.get("adapter")
+        if adapter is not None:
+            check_name(adapter, "generate.adapter")  # the name of a loaded adapter (<name>-v<N>)
 
         def run() -> tuple[list[list[int]], int]:
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            with self.serve_lock:  # one version for the whole request
-                return generate(self.model, prompt, max_new, n, float(temperature), gen), self.receiver.version
+            with self.serve_lock, self.adapters.active(adapter):  # one version for the whole request
+                version = self.receiver.version if adapter is None else parse_version_name(adapter)
+                return generate(self.model, prompt, max_new, n, float(temperature), gen), version or 0
 
         completions, version = await self._run(self._gen, run)
         return web.json_response({"completions": completions, "weight_version": version})
@@ -331,6 +350,42 @@ class ReferenceServer:
         req = UpdateRequest.from_json(await _json(request))
         await self._data_plane(self.receiver.receive, req)
         return web.json_response({"ok": True, "version": req.version})
+
+    async def check_adapter(self, request: web.Request) -> web.Response:
+        self.adapters.check(AdapterCheck.from_json(await _json(request)))
+        return web.json_response({"ok": True})
+
+    async def check_base(self, request: web.Request) -> web.Response:
+        check = BaseCheck.from_json(await _json(request))
+        await self._run(self._gen, self.adapters.check_base, check)
+        return web.json_response({"ok": True})
+
+    async def update_adapter(self, request: web.Request) -> web.Response:
+        update = AdapterUpdate.from_json(await _json(request))
+        await self._run(self._comm, self.adapters.receive, update)
+        return web.json_response({"ok": True, "version": update.update.version})
+
+    async def end_adapter(self, request: web.Request) -> web.Response:
+        req = VersionRequest.from_json(await _json(request), "end_adapter")
+        return web.json_response({"path": await self._run(self._comm, self.adapters.write, req.version)})
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise WireError("Both 'lora_name' and 'lora_path' must be provided.")
+        await self._run(self._gen, self.adapters.load, name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        name = (await _json(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise WireError("'lora_name' needs to be provided to unload a LoRA adapter.")
+        await self._run(self._gen, self.adapters.unload, name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def list_models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self.adapters.models()})
 
     async def end(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end")

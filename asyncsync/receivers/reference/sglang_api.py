@@ -17,6 +17,8 @@ of the weight routes (``ReceiverScheduler`` below)::
     GET  /model_info, /get_model_info      200 {..., "weight_version": the live version}
     GET  /server_info, /get_server_info    200 {the start-up arguments: tp_size, dp_size, ..., "weight_version"}
     GET  /ready                            200, or 503 while generation is paused (empty bodies)
+    POST /load_lora_adapter                200/400 {"success", "error_message", "loaded_adapters"}
+    POST /unload_lora_adapter              200/400 {"success", "error_message", "loaded_adapters"}
     GET  /get_weight_version               404 {"detail": "Not Found"} (0.5.21+; 0.5.20 answers its
                                            deprecation 404 {"object": "error", ...})
 
@@ -42,11 +44,14 @@ Where the reference server departs from SGLang, on purpose:
 * a group name the server already holds is refused before the rendezvous (SGLang refuses it with the
   same message after the rendezvous, when torch registers the name);
 * the bearer token check and ``/health`` are the reference server's own, and ``/generate`` speaks
-  the reference server's API, not SGLang's.
+  the reference server's API, not SGLang's;
+* the LoRA routes load and unload the reference server's own adapters (``adapters.ServedAdapters``:
+  PEFT); ``/server_info`` says LoRA is enabled, with no rank or target limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -58,8 +63,8 @@ from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
 from asyncsync.protocol.sglang import (
     FLATTENED_BUCKET, GROUP_CREATED, GROUP_DESTROYED, NO_GROUP_TO_DESTROY, NO_SESSION, NO_SESSION_TO_END, RECEIVE_FAILED,
     SESSION_OPEN, SGLANG_RELEASE, UPDATED, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup,
-    EndWeightUpdate, InitWeightsUpdateGroup, PauseGeneration, RequestInvalid, SglangRequest,
-    UpdateWeightsFromDistributed, group_missing, load_failure,
+    EndWeightUpdate, InitWeightsUpdateGroup, LoadLoraAdapter, PauseGeneration, RequestInvalid, SglangRequest,
+    UnloadLoraAdapter, UpdateWeightsFromDistributed, group_missing, load_failure,
 )
 from asyncsync.protocol.staging import BucketRefused
 from asyncsync.protocol.wire import MAX_VERSION, WireError, short, shown
@@ -200,8 +205,9 @@ class SglangApi:
     ``weight_version`` succeeds, reported by ``/model_info``; ``/server_info`` keeps the start-up one."""
 
     def __init__(self, scheduler: SglangScheduler, run_comm: RunOnCommThread, model_info: Mapping[str, Any],
-                 sessions: bool = True, on_join: Callable[[], None] | None = None):
+                 sessions: bool = True, on_join: Callable[[], None] | None = None, adapters: Any = None):
         self.scheduler = scheduler
+        self.adapters = adapters  # the server's adapters (``adapters.ServedAdapters``), loaded by the LoRA routes
         self._run_comm = run_comm  # scheduler work runs on the server's data-plane thread, in order
         self._on_join = on_join  # told when a group is asked for (the server abandons a join still hanging)
         self.model_info = dict(model_info)
@@ -230,6 +236,8 @@ class SglangApi:
             web.get("/model_info", self.get_model_info), web.get("/get_model_info", self.get_model_info),
             web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
             web.get("/ready", self.ready),
+            web.post("/load_lora_adapter", self._validated(LoadLoraAdapter, self.load_lora)),
+            web.post("/unload_lora_adapter", self._validated(UnloadLoraAdapter, self.unload_lora)),
         ]
         if not self.sessions:  # SGLang 0.5.20 still routes these, only to answer that they are gone
             routes += [web.get("/get_weight_version", self.deprecated), web.get("/weight_version", self.deprecated)]
@@ -278,7 +286,22 @@ class SglangApi:
     async def server_info(self, _r: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1,
                                   "enable_dp_attention": False, "weight_version": "default",
-                                  "version": SGLANG_RELEASE, "frontend": "python"})
+                                  "version": SGLANG_RELEASE, "frontend": "python", "enable_lora": True,
+                                  "max_lora_rank": None, "lora_target_modules": None, "max_loaded_loras": None})
+
+    async def load_lora(self, req: LoadLoraAdapter) -> web.Response:
+        return await self._lora(self.adapters.load, req.lora_name, req.lora_path)
+
+    async def unload_lora(self, req: UnloadLoraAdapter) -> web.Response:
+        return await self._lora(self.adapters.unload, req.lora_name)
+
+    async def _lora(self, change: Callable[..., None], *args: str) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: the adapters loaded after the change, or why it failed."""
+        try:
+            await asyncio.to_thread(change, *args)
+        except (VersionRejected, WireError, LookupError, OSError, ValueError) as e:
+            return web.json_response({"success": False, "error_message": str(e), "loaded_adapters": None}, status=400)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.adapters.loaded)})
 
     async def ready(self, _r: web.Request) -> web.Response:
         return web.Response(status=503 if self.paused else 200)

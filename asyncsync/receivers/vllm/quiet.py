@@ -13,10 +13,13 @@ from __future__ import annotations
 import logging
 import re
 
+from asyncsync.protocol.lora import ADAPTER_REFUSED
 from asyncsync.protocol.specs import LAYOUT_REFUSED
 
-# What every VersionRejected message says (protocol/staging.py, receivers/vllm/transfer_engine.py).
-REFUSAL = re.compile(r"version \d+ rejected: |bucket rejected: |this engine refuses every version: |" + re.escape(LAYOUT_REFUSED))
+# What every VersionRejected message says (protocol/staging.py, receivers/vllm/transfer_engine.py, ties.py,
+# adapters.py).
+REFUSAL = re.compile(r"version \d+ rejected: |bucket rejected: |this engine refuses every version: |"
+                     + re.escape(LAYOUT_REFUSED) + "|" + re.escape(ADAPTER_REFUSED))
 
 
 def _refusal(exc: BaseException | None) -> bool:

@@ -322,6 +322,7 @@ class _SyncedGeneration:
         self.version = 0  # the last version published (every rank agrees)
         self.trainer_metrics: Any = None  # TRL's per-mode metric lists, set by the trainer
         self._publishes = False  # this rank takes part in the sync
+        self._connected = False  # on every rank, from the first sync_weights to close()
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self) -> None:
@@ -342,7 +343,7 @@ class _SyncedGeneration:
         """Publish the trainer's weights as the next version (TRL calls this right before a step's
         generation, on every rank), then make sure the servers asked for rollouts are fresh enough."""
         start = time.perf_counter()
-        first = self.sync is None
+        first = not self._connected
         if first:
             self._connect()
         version = self.version + 1
@@ -381,6 +382,7 @@ class _SyncedGeneration:
 
             live = broadcast_object_list([live], from_process=0)[0]
         self.version = max(self.version, live)
+        self._connected = True
         if self.accelerator.is_main_process:
             log.info("asyncsync: %s sync of %s, versions from %d", "async" if self.config.async_weight_update else "blocking",
                      [s.base_url for s in self.config.servers], live + 1)
@@ -408,6 +410,7 @@ class _SyncedGeneration:
     def close(self) -> None:
         """Drain (async: the last version reaches the servers) and release them; a later
         ``sync_weights`` connects again, continuing the versions."""
+        self._connected = False
         if self.sync is not None:
             sync, self.sync = self.sync, None
             sync.close()

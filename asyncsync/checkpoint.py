@@ -77,34 +77,44 @@ class Stage(ABC):
         alone form one group. ``Conversion.plan`` checks that the groups reproduce the whole run."""
         passed = {id(t) for t in self(dict(meta)).values()}
         groups = [(n,) for n, t in meta.items() if id(t) in passed]
-        rest = [n for n, t in meta.items() if id(t) not in passed]
-        parent = {name: name for name in rest}
-
-        def root(n: str) -> str:
-            while parent[n] != n:
-                parent[n] = parent[parent[n]]
-                n = parent[n]
-            return n
-
+        rest = _Sets([n for n, t in meta.items() if id(t) not in passed])
         producer: dict[str, str] = {}
         needy: list[str] = []
-        for name in rest:
+        for name in rest.names:
             try:
                 outputs = self({name: meta[name]})
             except Exception:  # noqa: BLE001 - a conversion that needs its partners raises anything
                 needy.append(name)
                 continue
             for out in outputs:
-                if out in producer:
-                    parent[root(name)] = root(producer[out])
-                else:
-                    producer[out] = name
+                rest.join(producer.setdefault(out, name), name)
         for a, b in zip(needy, needy[1:]):
-            parent[root(b)] = root(a)
-        joined: dict[str, list[str]] = {}
-        for name in rest:
-            joined.setdefault(root(name), []).append(name)
-        return groups + [tuple(g) for g in joined.values()]
+            rest.join(a, b)
+        return groups + [tuple(g) for g in rest.groups()]
+
+
+class _Sets:
+    """Disjoint sets of names (union-find): which names are converted together."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self._parent = {n: n for n in names}
+
+    def _root(self, n: str) -> str:
+        while self._parent[n] != n:
+            self._parent[n] = self._parent[self._parent[n]]
+            n = self._parent[n]
+        return n
+
+    def join(self, a: str, b: str) -> None:
+        self._parent[self._root(b)] = self._root(a)
+
+    def groups(self) -> list[list[str]]:
+        """Every set, each in the names' order, ordered by its first name."""
+        out: dict[str, list[str]] = {}
+        for name in self.names:
+            out.setdefault(self._root(name), []).append(name)
+        return list(out.values())
 
 
 class CheckpointStage(Stage):
@@ -175,21 +185,14 @@ class Conversion:
             return tuple(Group((n,), (TensorSpec.of(n, t),), True, 0) for n, t in meta.items())
         order = {name: i for i, name in enumerate(meta)}
         origin = {name: name for name in meta}  # a stage's input name -> the source it comes from
-        parent = {name: name for name in meta}
-
-        def root(n: str) -> str:
-            while parent[n] != n:
-                parent[n] = parent[parent[n]]
-                n = parent[n]
-            return n
-
+        together = _Sets(list(meta))
         current = dict(meta)
         for stage in self.stages:
             produced: Tensors = {}
             for part in stage.partition(current):
                 sources = [origin[n] for n in part]
                 for s in sources[1:]:
-                    parent[root(s)] = root(sources[0])
+                    together.join(sources[0], s)
                 for name, t in stage({n: current[n] for n in part}).items():
                     if name in produced:
                         raise LayoutError(f"two conversion groups both produce '{name}': the layout cannot be "
@@ -198,11 +201,8 @@ class Conversion:
             current = produced
         whole = self.apply(dict(meta))
         passed = {id(t): name for name, t in whole.items()}  # a source that came through every stage as it is
-        members: dict[str, list[str]] = {}
-        for name in meta:
-            members.setdefault(root(name), []).append(name)
         groups = []
-        for m in members.values():
+        for m in together.groups():
             sources = tuple(sorted(m, key=order.__getitem__))
             target = passed.get(id(meta[sources[0]])) if len(sources) == 1 else None
             if target is not None:

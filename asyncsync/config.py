@@ -14,7 +14,7 @@ import yaml
 from asyncsync.engines import engine_kinds
 from asyncsync.packing import backend_names
 from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
-from asyncsync.protocol.wire import RECEIVE_MODES
+from asyncsync.protocol.wire import MAX_DEADLINE_S, RECEIVE_MODES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
@@ -113,6 +113,9 @@ class Deadlines:
         if self.broadcast_factor < 1:
             raise ConfigError(f"broadcast_factor: a deadline below the expected time fails healthy broadcasts; "
                               f"use a factor >= 1, got {self.broadcast_factor}")
+        if self.collective_s > MAX_DEADLINE_S:
+            raise ConfigError(f"collective_s: receivers refuse a group whose broadcasts may take longer than "
+                              f"{MAX_DEADLINE_S:.0f}s, got {self.collective_s}")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.engines.base import EngineClient, Generation, UnsupportedServer
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import (
+    PROTOCOL_VERSION, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
+)
 from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -18,7 +20,16 @@ class ReferenceEngine(EngineClient):
     kind = "reference"
 
     async def world_size(self) -> int:
-        return int((await self.http.get("/world_size"))["world_size"])
+        """The server's data-plane ranks; ``UnsupportedServer`` when it speaks another data-plane
+        protocol (``PROTOCOL_VERSION``; an older server sends none): its receives would not match
+        this trainer's broadcasts, so it is never put in a group."""
+        out = await self.http.get("/world_size")
+        protocol = out.get("protocol", 1)
+        if protocol != PROTOCOL_VERSION:
+            raise UnsupportedServer(self.url, f"speaks asyncsync data-plane protocol {protocol}, this trainer "
+                                              f"{PROTOCOL_VERSION}: run the same asyncsync release on the trainer and "
+                                              "its servers")
+        return int(out["world_size"])
 
     async def claim(self, takeover: bool) -> None:
         assert self.session is not None, "a client that claims a server speaks for a trainer session"

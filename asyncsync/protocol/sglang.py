@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError, shown
 
 SGLANG_RELEASE = "0.5.23"
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -72,13 +72,30 @@ def group_missing(group_name: str, known: list[str]) -> str:
 
 # -- validation as SGLang's HTTP layer does it ----------------------------------------------------
 
+MAX_LISTED_ERRORS = 10  # a message lists this many problems, then how many more there are
+
+
+class _Quoted:
+    """An input value in an error message: at most ``ECHO_CHARS`` of it (SGLang quotes it whole)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return shown(self.value)
+
+
 class RequestInvalid(WireError):
     """A body SGLang's request schema refuses: answered 400 ``{"object": "error", ...}`` before the
-    scheduler sees it. ``errors`` lists each problem as pydantic reports it."""
+    scheduler sees it. ``errors`` lists each problem as pydantic reports it; the message quotes each
+    input short (``wire.shown``) and lists the first ``MAX_LISTED_ERRORS``."""
 
     def __init__(self, errors: list[dict[str, Any]]):
         n = len(errors)
-        super().__init__(f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {e}" for e in errors))
+        listed = [f"  {({**e, 'input': _Quoted(e['input'])} if 'input' in e else e)}" for e in errors[:MAX_LISTED_ERRORS]]
+        if n > MAX_LISTED_ERRORS:
+            listed.append(f"  ... and {n - MAX_LISTED_ERRORS} more")
+        super().__init__(f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(listed))
         self.errors = errors
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from asyncsync.config import ConfigError, WeightSyncConfig
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
-from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.layout import PeftMerge, WeightLayout
 from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
@@ -210,7 +210,9 @@ class WeightSync:
         if not refused:
             return
         url, why = next(iter(refused.items()))
-        if self.config.layout == "trainer":
+        if LAYOUT_REFUSED not in why:
+            fix = "this server cannot apply versions of the model it serves (the reason above); serve it elsewhere"
+        elif self.config.layout == "trainer":
             fix = "set layout: checkpoint to send a transformers model as its checkpoint stores it"
         elif self.layout is not None and self.layout.identity:
             fix = ("pass convert= to connect() mapping the trainer's names and layouts to those the server loads, or "

@@ -25,6 +25,7 @@ import torch
 
 from asyncsync.engines.base import EngineClient
 from asyncsync.packing.checks import UnpackableTensor
+from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
@@ -92,7 +93,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if skipped:
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
         engines = [e for e in engines if e.url not in skipped]
-    ranks.from_leader(("version", VersionPlan(version, deadlines)))
+    frames = VersionFrames.of(request)  # every bucket's frame header to asyncsync's receivers carries it
+    ranks.from_leader(("version", VersionPlan(version, deadlines, frames)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -131,9 +133,9 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if members.group is not None:  # servers on shared memory already know where the version is
         wired = {u: f for u, f in posted.items() if u not in members.shared}
         try:
-            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
+            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, frames,
                                       wired if ranks.world == 1 else None, background)
-            broken = _finish_data_path(members, plan, broken, crcs, deadlines)
+            broken = _finish_data_path(members, plan, broken, crcs, deadlines, frames)
         except TrainerRankLost:
             # Another trainer rank is gone: its buckets will never come. The dropped group fails every
             # server's update at once (each is aborted: it keeps serving its last complete version).
@@ -260,6 +262,7 @@ class VersionPlan:
 
     version: int
     deadlines: tuple[float, ...]  # per bucket, as sent to the servers
+    frames: VersionFrames         # what each bucket's frame header carries
 
 
 def owner_of(source: BucketSource, bucket: Bucket) -> int:
@@ -277,7 +280,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
     (_, announced) = follower.until("version")
     failed: PackFailed | None = None
     if announced is not None and follower.group is not None:
-        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, None)
+        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames, None)
         ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
@@ -289,7 +292,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
 
 
 def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackFailed | None,
-                      crcs: dict[int, Any], deadlines: tuple[float, ...]) -> str | PackFailed | None:
+                      crcs: dict[int, Any], deadlines: tuple[float, ...], frames: VersionFrames) -> str | PackFailed | None:
     """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest."""
     ranks = members.ranks
     if ranks.world > 1:
@@ -300,7 +303,7 @@ def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackF
             crcs.update(theirs)
     if broken is None and members.config.checksum:
         try:
-            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines))
+            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines), frames)
         except DataPlaneError as e:
             broken = str(e)
     if broken is not None and not isinstance(broken, PackFailed):
@@ -321,7 +324,7 @@ def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
 
 
 def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
-               result: SyncResult | None, deadlines: tuple[float, ...],
+               result: SyncResult | None, deadlines: tuple[float, ...], frames: VersionFrames,
                posted: dict[str, concurrent.futures.Future[Any]] | None,
                background: frozenset[str] = frozenset()) -> tuple[str | PackFailed | None, dict[int, Any]]:
     """Every bucket, each with its deadline: a sharded trainer's ranks send each bucket's pieces to
@@ -377,7 +380,7 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         if buf is None or stopped is not None:
             continue
         try:
-            works[i] = group.broadcast_async(buf, deadlines[i])
+            works[i] = group.broadcast_async(buf, deadlines[i], frames.header(i, buf))
         except DataPlaneError as e:
             stopped = str(e)
             continue

@@ -12,7 +12,7 @@ import torch
 
 from asyncsync.checkpoint import CheckpointStage, Conversion, is_transformers_model, meta_tensors, to_memory
 from asyncsync.protocol.device import runtime_for
-from asyncsync.protocol.group import DataPlaneGroup
+from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
@@ -26,7 +26,8 @@ class WeightReceiver:
 
         receiver.join(spec, rank)
         for version in updates:
-            receiver.receive(request)      # takes part in every broadcast, even for a bad request
+            receiver.receive(request)      # takes part in every broadcast, even of a bad version (but one
+                                           # naming unknown tensors or past the budget: none, it leaves the group)
             receiver.commit(version)       # live tensors become views of the received buffers
 
     SGLang's protocol sends a version one bucket per request instead: ``receive_bucket`` for each,
@@ -40,7 +41,8 @@ class WeightReceiver:
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, max_version_bytes: int | None = None,
+                 abandoner: Abandoner | None = None):
         self._live = dict(weights)
         self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
@@ -52,7 +54,8 @@ class WeightReceiver:
         stages = [CheckpointStage(model)] if model is not None and is_transformers_model(model) else []
         self.groups = Conversion(stages).plan(meta_tensors(self._live))
         specs = {t.name: t for g in self.groups for t in g.targets}
-        self.stager = BucketStager(specs, "/init_group", self.runtime)
+        self.stager = BucketStager(specs, "/init_group", self.runtime, max_version_bytes=max_version_bytes,
+                                   abandoner=abandoner)
         self._staged: StagedVersion | None = None
         self.last_switch_s = 0.0  # how long the last commit held generation (``serve_lock``)
 

@@ -17,8 +17,6 @@ its kernel's step re-run on the reloaded weights, as the first load ran it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-
 import torch
 
 log = logging.getLogger(__name__)
@@ -31,13 +29,11 @@ class ExpertKernels:
         self.layers = [(name, m) for name, m in model.named_modules() if _kernel_step(m) is not None]
 
     @torch.no_grad()
-    def reprocess(self, loaded: Iterable[str] | None) -> None:
-        """After a load: re-run the kernel step of every MoE layer with a parameter in ``loaded``
-        (the names ``load_weights`` returned; None: it does not say, and every layer is re-run)."""
-        names = None if loaded is None else set(loaded)
-        for name, layer in self.layers:
-            if names is not None and not any(f"{name}.{p}" in names for p in layer._parameters):
-                continue
+    def reprocess(self) -> None:
+        """After a load: re-run the kernel step of every MoE layer. A version is always whole, so
+        the load reached every one (``load_weights``' returned names are not the layers' own: vLLM
+        nests the experts of some families, DeepSeek's, one module deeper than it names them)."""
+        for _, layer in self.layers:
             step = _kernel_step(layer)
             if step is not None:
                 step(layer)

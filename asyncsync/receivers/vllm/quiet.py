@@ -16,7 +16,7 @@ import re
 from asyncsync.protocol.specs import LAYOUT_REFUSED
 
 # What every VersionRejected message says (protocol/staging.py, receivers/vllm/transfer_engine.py).
-REFUSAL = re.compile(r"version \d+ rejected: |bucket rejected: |" + re.escape(LAYOUT_REFUSED))
+REFUSAL = re.compile(r"version \d+ rejected: |bucket rejected: |this engine refuses every version: |" + re.escape(LAYOUT_REFUSED))
 
 
 def _refusal(exc: BaseException | None) -> bool:

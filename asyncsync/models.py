@@ -129,3 +129,15 @@ def cache_argument(model: torch.nn.Module) -> str:
     (``past_key_values`` is deprecated there, with a warning at every call), ``past_key_values`` before."""
     forward = getattr(model, "forward", None)
     return "cache" if forward is not None and "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer built locally for a model of ``vocab_size`` (no download): token ``i`` is the word
+    ``t{i}``, words split on whitespace; 0 is padding (and BOS), 1 is EOS, as in ``hf_config``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t0", eos_token="t1", unk_token="t2")

@@ -171,7 +171,7 @@ def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     out: dict[str, Any] = {}
-    version = 0
+    version = served_tokens(url)[1]  # the module's server: versions continue from the one it serves
     for async_mode in (False, True):
         with WeightSync.from_config(config(url, async_weight_update=async_mode)) as sync:
             sync.connect(model)

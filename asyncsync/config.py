@@ -11,10 +11,10 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from asyncsync.engines import engine_kinds
 from asyncsync.packing import backend_names
 from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
 from asyncsync.protocol.wire import RECEIVE_MODES
+from asyncsync.registry import ENGINES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
@@ -71,8 +71,8 @@ class ServerConfig:
     SHORTHAND = "url"  # a bare string in a config is a server's URL
 
     def __post_init__(self) -> None:
-        if self.kind not in engine_kinds():
-            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {engine_kinds()} "
+        if self.kind not in ENGINES.targets:
+            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {ENGINES.names()} "
                               "(asyncsync.engines.register_engine adds one)")
         for name in ("pause", "mix_versions", "reset_prefix_cache"):
             if not isinstance(getattr(self, name), bool):

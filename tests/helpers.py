@@ -17,6 +17,7 @@ import torch
 from aiohttp import web
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.group import free_port
@@ -25,7 +26,6 @@ from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
-from asyncsync.trainer.metrics import SyncMetrics, SyncResult
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.membership import Membership
 from asyncsync.transport.send import BucketSource, send_version

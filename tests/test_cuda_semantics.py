@@ -56,7 +56,7 @@ def own_servers() -> Iterator[list[ServerProcess]]:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     cuda = FakeCuda(index=1)
     monkeypatch.setattr(sync_module, "runtime_for", lambda device: cuda)
-    monkeypatch.setattr(packing, "_REGISTRY", {**packing._REGISTRY, "fakecuda": "fakes:FakeCudaPack"})
+    monkeypatch.setitem(packing.BACKENDS.targets, "fakecuda", "fakes:FakeCudaPack")
     monkeypatch.setattr(FakeCudaPack, "fake", cuda)
     cuda.enter_thread()  # the trainer computes on cuda:1
     yield cuda
@@ -186,8 +186,8 @@ def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], di
     """The async worker alone over FakeCuda; returns the bytes each version should have and those read."""
     from asyncsync.trainer import worker as worker_module
     from asyncsync.trainer.buffers import PackedBuffers
-    from asyncsync.trainer.metrics import SyncMetrics
-    from asyncsync.trainer.ranks import TrainerRanks
+    from asyncsync.metrics import SyncMetrics
+    from asyncsync.ranks import TrainerRanks
     from asyncsync.trainer.source import WeightsReader
 
     send = LateReadingSend(fake)
@@ -363,7 +363,7 @@ class WrongBytes(PackBackend):
 def test_a_compiled_backend_that_misbehaves_is_replaced_by_torch(monkeypatch, caplog):
     with pytest.raises(PackBackendUnavailable, match="other bytes or another checksum"):
         check_against_torch(WrongBytes(), torch.device("cpu"))
-    monkeypatch.setattr(packing, "_REGISTRY", {**packing._REGISTRY, "cpp": f"{__name__}:WrongBytes"})
+    monkeypatch.setitem(packing.BACKENDS.targets, "cpp", f"{__name__}:WrongBytes")
     monkeypatch.setattr(packing, "_fallback_reported", set())
     assert get_backend("auto", "cpu").name == "torch"
     assert "packing uses the pure-torch backend" in caplog.text

@@ -26,9 +26,9 @@ from asyncsync import WeightSync
 from asyncsync.config import ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import Generation
+from asyncsync.metrics import SyncResult
 from asyncsync.models import ModelConfig, build_model, generate
 from asyncsync.receivers.vllm.launch import VllmServer
-from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.send import BucketSource
 
 from helpers import HoldAt, Trainer

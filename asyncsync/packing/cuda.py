@@ -16,7 +16,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,15 +25,7 @@ import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
 from asyncsync.packing.checks import UnpackableTensor, check_tensor, memory_problem
-from asyncsync.packing.native import CSRC, CUDA_SOURCE
-
-
-def nvcc_path() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return str(Path(CUDA_HOME) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+from asyncsync.packing.csrc import CSRC, CUDA_SOURCE, nvcc_path
 
 
 @functools.cache

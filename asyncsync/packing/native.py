@@ -27,20 +27,11 @@ from pathlib import Path
 import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
+from asyncsync.packing.csrc import CPU_SOURCE, CSRC, build_helpers, nvcc_path
 
 NO_EXT_ENV = "ASYNCSYNC_NO_EXT"
 INSTALLED_MODULE = "asyncsync._pack_cpu"
 JIT_NAME = "asyncsync_pack_cpu"
-CSRC = Path(__file__).resolve().parents[2] / "csrc"  # present in a source checkout only
-CPU_SOURCE = CSRC / "pack_cpu.cpp"
-CUDA_SOURCE = CSRC / "pack_cuda.cu"
-
-
-def _build_helpers():  # csrc/build.py: the flags setup.py uses too
-    spec = importlib.util.spec_from_file_location("asyncsync_csrc_build", CSRC / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_cpu_ops(name: str = JIT_NAME, defines: Sequence[str] = ()) -> None:
@@ -53,7 +44,7 @@ def build_cpu_ops(name: str = JIT_NAME, defines: Sequence[str] = ()) -> None:
 
     if not CPU_SOURCE.exists():
         raise PackBackendUnavailable(f"no {CPU_SOURCE.name} to build: this is not a source checkout")
-    cflags, ldflags = _build_helpers().cpu_flags(torch)
+    cflags, ldflags = build_helpers().cpu_flags(torch)
     # torch's JIT cache hashes the sources and flags, not included headers: hash the header in.
     header = hashlib.sha256((CSRC / "crc32c.h").read_bytes()).hexdigest()[:12]
     load(name=name, sources=[str(CPU_SOURCE)], extra_include_paths=[str(CSRC)],
@@ -133,8 +124,6 @@ def status() -> dict[str, object]:
             cuda = f"built with nvcc from csrc/ ({get_backend('auto', 'cuda').name} selected for CUDA weights)"
         except Exception as e:
             cuda = f"unavailable: {e}"
-    from asyncsync.packing.cuda import nvcc_path
-
     return {
         "pack_backend (cpu weights)": get_backend("auto", "cpu").name,
         "cpu_extension": cpu, "cpu_extension_error": cpu_error, "checksum": checksum,

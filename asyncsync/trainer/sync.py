@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.specs import BucketPlan
+from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
-from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
-from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, balanced_owners
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.trainer.metrics import SyncMetrics, SyncResult
-from asyncsync.trainer.ranks import TrainerRanks, TrainerRankLost
+from asyncsync.ranks import TrainerRanks, TrainerRankLost
 from asyncsync.trainer.source import WeightsView
 from asyncsync.trainer.streams import Marker, StreamSet
 

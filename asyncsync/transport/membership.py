@@ -34,13 +34,13 @@ from typing import Any
 from asyncsync.config import WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient, UnsupportedServer
+from asyncsync.metrics import SyncMetrics
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import OWNED_STATUS
-from asyncsync.trainer.metrics import SyncMetrics
-from asyncsync.trainer.ranks import TrainerRanks
+from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.shm import SegmentPool

@@ -24,13 +24,13 @@ from typing import Any, Protocol
 import torch
 
 from asyncsync.engines.base import EngineClient
+from asyncsync.metrics import SyncResult
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
-from asyncsync.trainer.metrics import SyncResult
+from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.control import ServerError
-from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups

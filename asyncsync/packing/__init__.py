@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncsync.packing.delta import Delta
 from asyncsync.registry import LazyRegistry
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,19 @@ class PackBackend(ABC):
 
     name: str
     device_type: str  # the device whose buffers this backend packs: "cpu", "cuda", or "any"
+    encodes_deltas = False  # implements ``pack_delta``
 
     @abstractmethod
     def pack(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
              checksum: bool) -> int | torch.Tensor | None: ...
+
+    def pack_delta(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], base: torch.Tensor, word: int,
+                   limit: int) -> tuple[int | torch.Tensor, Delta]:
+        """``pack`` with the checksum into ``base``, which holds the previous version's bytes (the
+        baseline), and encode what changed, in ``word``-byte words, as ``asyncsync.protocol.delta``
+        specifies: the delta, or none where it would exceed ``limit`` bytes (``packing.delta``).
+        Backends that cannot (``encodes_deltas`` false) send every version whole."""
+        raise PackBackendUnavailable(f"pack backend {self.name!r} does not encode deltas")
 
 
 # name -> "module:Class"; importing the module is what may compile code, so it happens on demand.

@@ -12,6 +12,7 @@ from types import ModuleType
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # present in a source checkout only
 CPU_SOURCE = CSRC / "pack_cpu.cpp"
 CUDA_SOURCE = CSRC / "pack_cuda.cu"
+HEADERS = (CSRC / "crc32c.h", CSRC / "delta.h")  # included by both sources
 
 
 def build_helpers() -> ModuleType:

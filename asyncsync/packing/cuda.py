@@ -25,7 +25,7 @@ import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
 from asyncsync.packing.checks import UnpackableTensor, check_tensor, memory_problem
-from asyncsync.packing.csrc import CSRC, CUDA_SOURCE, nvcc_path
+from asyncsync.packing.csrc import CSRC, CUDA_SOURCE, HEADERS, nvcc_path
 
 
 @functools.cache
@@ -38,7 +38,7 @@ def cuda_library() -> ctypes.CDLL:
         raise PackBackendUnavailable("nvcc not found; install the CUDA toolkit or set CUDA_HOME to build the CUDA pack kernel")
     if not CUDA_SOURCE.exists():
         raise PackBackendUnavailable(f"no {CUDA_SOURCE.name} to build: this is not a source checkout")
-    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + (CSRC / "crc32c.h").read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     lib_path = Path(get_default_build_root()) / f"asyncsync_pack_cuda_{digest}" / "libasyncsync_pack_cuda.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from asyncsync.registry import ENGINES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
+DELTA_MODES = ("auto", "off")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -136,8 +137,12 @@ class WeightSyncConfig:
     funnel: bool = False
     snapshot: str = "device"
     transport: str = "auto"
+    delta: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.delta not in DELTA_MODES:
+            raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
+                              "the last version gets what changed since, off: every version whole)")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
                               "servers on this host, the data-plane group for the others)")

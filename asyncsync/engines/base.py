@@ -49,11 +49,12 @@ class DataPlaneProtocol:
     single_dtype_buckets: bool  # every bucket must hold tensors of one dtype
     multi_group: bool = False   # a server can join several groups, one per owning trainer rank
     shared_memory: bool = False  # a same-host server can map a version instead (``UpdateRequest.shm``)
+    deltas: bool = False  # a bucket may come as a delta against the committed version (``UpdateRequest.delta``)
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
 ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
-                                       multi_group=True, shared_memory=True)
+                                       multi_group=True, shared_memory=True, deltas=True)
 
 
 class EngineClient(ABC):

@@ -114,6 +114,11 @@ class SyncWorker:
         return sum(s.buffers.nbytes for s in self._sets)
 
     @property
+    def encodes_deltas(self) -> bool:
+        """The snapshots are the delta baseline: each version is encoded against the one before it."""
+        return any(getattr(s.buffers, "delta", False) for s in self._sets)
+
+    @property
     def host_nbytes(self) -> int:
         """Bytes of snapshots kept in host memory (``snapshot: host``)."""
         return sum(s.buffers.host_nbytes for s in self._sets)
@@ -266,7 +271,7 @@ class SyncWorker:
         t0 = time.perf_counter()
         named = item.view.tensors()
         after = [item.ready, *target.sent]  # the step's writes, and the broadcasts that read target last
-        target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=after)
+        target.done = self.streams.copy(lambda: target.buffers.pack_all(named, item.version), after=after)
         target.version, target.taken, target.sent = item.version, 0, []
         target.started = t0
         target.snapshot_s = time.perf_counter() - t0

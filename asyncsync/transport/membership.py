@@ -12,7 +12,8 @@ An epoch is one set of data-plane groups over one set of servers (group name
 restarted trainer never reuses a name a server still holds; fresh ports after the first epoch). A new
 epoch starts whenever a server is evicted, a collective fails, or an evicted server answers again.
 Servers that are out are probed at most every ``readmit_interval_s``; one that answers rejoins and
-gets the next full version (every version is sent whole).
+gets the next version whole (``Membership.baselines``: only a server that committed the last
+version of this sync may get a delta).
 
 Every epoch first claims each server for the trainer session (``EngineClient.claim``), so two trainers
 never race for the same servers: at ``connect`` a server another live trainer owns fails the whole
@@ -88,6 +89,9 @@ class Membership:
         self.shared: set[str] = set()  # members that map versions from shared memory (no data-plane group)
         self.pool: SegmentPool | None = None  # the shared-memory segments (set by WeightSync once it planned)
         self.evicted: dict[str, str] = {}
+        # The version each server committed from this sync, its next delta's baseline (transport.send):
+        # set by a successful ``end``, dropped by any failure or eviction.
+        self.baselines: dict[str, int] = {}
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
@@ -261,6 +265,7 @@ class Membership:
             self.group = None
 
     def evict(self, url: str, reason: str) -> None:
+        self.baselines.pop(url, None)  # it may come back restarted: the next version it gets is whole
         if self.pool is not None:
             self.pool.evicted(url)  # it loses its lease: what it maps is retired, never rewritten
         if url not in self.evicted:

@@ -147,6 +147,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
         self.version = staged.version
+        self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
 

@@ -70,9 +70,11 @@ def config(servers: list[ServerProcess], **extra: object) -> WeightSyncConfig:
 
 
 def train(fake: FakeCuda, sync: WeightSync, servers: list[ServerProcess], steps: int = 8,
-          pause_s: float = 0.0) -> tuple[dict[int, dict[str, str]], dict[str, list[tuple[int, dict[str, str]]]]]:
+          pause_s: float = 0.0, every: int = 1,
+          step_s: float = 0.0) -> tuple[dict[int, dict[str, str]], dict[str, list[tuple[int, dict[str, str]]]]]:
     """The README loop with the optimizer step as a kernel on the trainer's stream; a host-side shadow
-    model applies the same steps at once, so ``published[v]`` is what version v must be."""
+    model applies the same steps at once, so ``published[v]`` is what version v must be. The step
+    changes one element in ``every`` of each parameter and takes ``step_s`` on its stream."""
     model, shadow = build_model(TINY), build_model(TINY)
     start = max(s.get("/version")["version"] for s in servers)
     published = {}
@@ -85,9 +87,10 @@ def train(fake: FakeCuda, sync: WeightSync, servers: list[ServerProcess], steps:
                 delta = 1e-2 * version
 
                 def step(m: torch.nn.Module = model, d: float = delta) -> None:
+                    time.sleep(step_s if m is model else 0.0)
                     with torch.no_grad():
                         for p in m.parameters():
-                            p.add_(d)
+                            p.view(-1)[::every].add_(d)
 
                 fake.launch(step)  # runs on the trainer's stream, after whatever wait_snapshot ordered
                 step(shadow)
@@ -118,6 +121,38 @@ def test_async_on_cuda_is_bit_exact_and_the_boundary_never_waits_on_the_host(fak
     assert sync.errors == [] and fake.kernel_errors == []
     assert torn(published, samples) == []
     assert all(s[-1] == (max(published), published[max(published)]) for s in samples.values())
+
+
+def test_async_deltas_on_cuda_are_read_by_senders_after_their_pack_and_bit_exact(fake, servers):
+    """``pack_delta`` is a kernel on the copy stream; its delta is read (a host sync: sizes before the
+    update request) only by a sender, on its stream ordered after the snapshot's ``done``: never at
+    the boundary (``fake.boundary`` raises on a host sync there), never before the pack ran."""
+    fake.wire_delay_s = 0.02
+    FakeCudaPack.readers = readers = []
+    sync = WeightSync(config(servers, checksum=True, transport="collective"))
+    published, samples = train(fake, sync, servers, every=37)
+    assert sync.errors == [] and fake.kernel_errors == [], (sync.errors, fake.kernel_errors)
+    assert torn(published, samples) == []
+    assert all(s[-1] == (max(published), published[max(published)]) for s in samples.values())
+    assert [r for r in sync.metrics.history if r.delta_base is not None], "versions went out as deltas"
+    assert readers and {r.split("-")[1] for r in readers} == {"send"}
+
+
+def test_the_harness_sees_a_delta_read_before_its_pack(fake, own_servers, monkeypatch):
+    waits = []
+    real = StreamSet.comm_wait
+
+    def comm_wait(self: StreamSet, marker: object) -> None:  # after the first version, no wait for done
+        waits.append(marker)
+        if len(waits) == 1:
+            real(self, marker)
+
+    monkeypatch.setattr(StreamSet, "comm_wait", comm_wait)
+    fake.wire_delay_s = 0.02
+    sync = WeightSync(config(own_servers, checksum=True, transport="collective"))
+    with contextlib.suppress(AssertionError):
+        train(fake, sync, own_servers, steps=6, every=37, step_s=0.3)  # each pack runs 0.3 s late
+    assert any("not ordered after its pack" in e for e in sync.errors), sync.errors
 
 
 def test_senders_broadcast_from_their_own_streams_never_the_trainers(fake, servers):

@@ -131,9 +131,9 @@ def train(regime: Regime, steps: int, folder: Path) -> dict[str, Any]:
         torch.save(patch, folder / f"step{step}.pt")
         prev = cur
         out["density"].append(changed / total)
-        out["loss"].append(float(loss))
+        out["loss"].append(float(loss.detach()))
         out["step_s"].append(time.perf_counter() - t0)
-        print(f"  {regime.name} step {step}: loss {float(loss):.4f}, density {changed / total:.4%}, "
+        print(f"  {regime.name} step {step}: loss {out['loss'][-1]:.4f}, density {changed / total:.4%}, "
               f"{out['step_s'][-1]:.1f}s", flush=True)
     return out
 
@@ -251,22 +251,24 @@ def break_even(lanes: list[Lane], weights: dict[str, torch.Tensor]) -> list[dict
     packing_delta.MAX_FRACTION, trainer_delta.PAYS_BELOW = 1.0, 2.0  # deltas at every density
     rows = []
     try:
-        g = torch.Generator().manual_seed(5)
-        base = {n: t.clone() for n, t in weights.items()}
-        for density in SWEEP_DENSITIES:
-            flips = {n: torch.rand(t.numel(), generator=g) < density for n, t in base.items()}
-            changed = {n: base[n].clone() for n in base}
-            for n, t in changed.items():
-                t.view(-1).view(torch.int16)[flips[n]] ^= 1  # the lowest bit of the chosen bfloat16 elements
+        for k, density in enumerate(SWEEP_DENSITIES):
+            def flip() -> None:  # the lowest bit of the chosen bfloat16 elements, in place: twice restores
+                g = torch.Generator().manual_seed(k)
+                for t in weights.values():
+                    words = t.view(-1).view(torch.int16)
+                    words[torch.rand(words.numel(), generator=g) < density] ^= 1
+
             times: dict[str, list[float]] = {"delta": [], "whole": []}
             ratios = []
             for rep in range(2 * SWEEP_REPEATS):
-                version = changed if rep % 2 == 0 else base
-                a = auto.publish(version)
+                auto.settle()
+                off.settle()
+                flip()  # odd repetitions flip back: every delta has this density
+                a = auto.publish(weights)
                 times["delta"].append(a["time_s"])
                 ratios.append(a["wire_bytes"] / a["nbytes"])
                 if rep % 2 == 0:
-                    times["whole"].append(off.publish(version)["time_s"])
+                    times["whole"].append(off.publish(weights)["time_s"])
             rows.append({"density": density, "bytes_ratio": statistics.median(ratios[1:]),
                          "delta_s": statistics.median(times["delta"][1:]), "whole_s": statistics.median(times["whole"])})
             print(f"  break-even sweep: density {density:.3f}: bytes {rows[-1]['bytes_ratio']:.3f}, delta "
@@ -372,30 +374,40 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="a smoke run with small models and 3 steps: checks the benchmark, writes no results")
     parser.add_argument("--replay", help=argparse.SUPPRESS)  # inside a link: the stored versions' folder
+    parser.add_argument("--train", help=argparse.SUPPRESS)   # one regime, in a process of its own
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
         shrink()
         args.steps = 3
+    torch.set_num_threads(2)
     if args.replay:
         run_link(Path(args.replay), args.regimes, args.steps, Path(args.out), args.sweep)
         return
-    torch.set_num_threads(2)
+    if args.train:
+        regime = next(r for r in REGIMES if r.name == args.train)
+        Path(args.out).write_text(json.dumps(train(regime, args.steps, Path(args.out).parent)))
+        return
+    tiny = ["--tiny"] if args.tiny else []
     with tempfile.TemporaryDirectory(prefix="asyncsync-delta-") as tmp:
         folder = Path(tmp)
         trained = {}
         for regime in (r for r in REGIMES if r.name in args.regimes):
             print(f"training {regime.name} for {args.steps} steps", flush=True)
             (folder / regime.name).mkdir()
-            trained[regime.name] = train(regime, args.steps, folder / regime.name)
+            # Each regime trains in a process of its own, whose memory is gone when it ends.
+            stats = folder / regime.name / "trained.json"
+            subprocess.run([sys.executable, "-m", "benchmarks.delta", "--train", regime.name, "--out", str(stats),
+                            "--steps", str(args.steps), *tiny], check=True, timeout=LINK_RUN_TIMEOUT_S)
+            trained[regime.name] = json.loads(stats.read_text())
         links: dict[str, dict[str, Any]] = {}
         skipped: dict[str, str] = {}
         runs = ([] if args.no_loopback else [("loopback", None)]) + [(f"{g:g}gbit", g) for g in args.links]
         for label, gbit in runs:
             out = folder / f"{label}.json"
             argv = [sys.executable, "-m", "benchmarks.delta", "--replay", str(folder), "--out", str(out),
-                    "--steps", str(args.steps), "--regimes", *args.regimes, "--sweep", *(["--tiny"] if args.tiny else [])]
+                    "--steps", str(args.steps), "--regimes", *args.regimes, "--sweep", *tiny]
             print(f"replaying on {label}", flush=True)
             if gbit is None:
                 subprocess.run(argv, check=True, timeout=LINK_RUN_TIMEOUT_S)

@@ -336,6 +336,35 @@ uint32_t run(uint8_t* buf, const Layout& layout) {
   return ~acc;
 }
 
+// The layout of a pack into ``out``: every source checked (``check_tensor``, ``check_range``) before
+// any byte is read, non-contiguous (or lazily negated/conjugated) sources materialized in C order
+// first (the same bytes torch's copy_ writes; the copies stay alive in ``dense`` until the pack is
+// done), the ranges sorted and checked not to overlap.
+Layout pack_layout(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out, const char* op, const char* arg,
+                   std::vector<at::Tensor>& dense) {
+  check_buffer(out, op, arg);
+  TORCH_CHECK_VALUE(offsets.size() == srcs.size(), op, ": got ", srcs.size(), " tensors but ", offsets.size(),
+                    " offsets; pass one byte offset per tensor");
+  Layout layout;
+  layout.segments.reserve(srcs.size());
+  dense.reserve(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor* t = &srcs[i];
+    const auto index = static_cast<int64_t>(i);
+    check_tensor(*t, index, op);
+    const int64_t nbytes = nbytes_of(*t);
+    check_range(nbytes, offsets[i], index, out, op, arg);
+    if (!t->is_contiguous() || t->is_conj() || t->is_neg()) {
+      dense.push_back(t->resolve_conj().resolve_neg().contiguous());
+      t = &dense.back();
+    }
+    auto* data = const_cast<uint8_t*>(static_cast<const uint8_t*>(t->const_data_ptr()));
+    add_segment(layout, nbytes, data, offsets[i], index, out, op, arg);
+  }
+  finish_layout(layout, op);
+  return layout;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Delta encoding (delta.h): pack into the buffer that holds the previous version, and in the same
 // pass over each block find the words that changed and encode them.
@@ -391,28 +420,9 @@ std::tuple<int64_t, int64_t, at::Tensor> pack_delta(at::TensorList srcs, at::Int
                                                     int64_t word, int64_t limit) {
   namespace d = asyncsync_delta;
   constexpr const char* op = "asyncsync::pack_delta";
-  check_buffer(base, op, "base");
   TORCH_CHECK_VALUE(word == 1 || word == 2 || word == 4 || word == 8, op, ": word must be 1, 2, 4 or 8 bytes, got ", word);
-  TORCH_CHECK_VALUE(offsets.size() == srcs.size(), op, ": got ", srcs.size(), " tensors but ", offsets.size(),
-                    " offsets; pass one byte offset per tensor");
   std::vector<at::Tensor> dense;
-  dense.reserve(srcs.size());
-  Layout layout;
-  layout.segments.reserve(srcs.size());
-  for (size_t i = 0; i < srcs.size(); ++i) {
-    const at::Tensor* t = &srcs[i];
-    const auto index = static_cast<int64_t>(i);
-    check_tensor(*t, index, op);
-    const int64_t nbytes = nbytes_of(*t);
-    check_range(nbytes, offsets[i], index, base, op, "base");
-    if (!t->is_contiguous() || t->is_conj() || t->is_neg()) {
-      dense.push_back(t->resolve_conj().resolve_neg().contiguous());
-      t = &dense.back();
-    }
-    auto* data = const_cast<uint8_t*>(static_cast<const uint8_t*>(t->const_data_ptr()));
-    add_segment(layout, nbytes, data, offsets[i], index, base, op, "base");
-  }
-  finish_layout(layout, op);
+  const Layout layout = pack_layout(srcs, offsets, base, op, "base", dense);
   const int64_t end = layout.end;
   TORCH_CHECK_VALUE(end % word == 0, op, ": the bucket's ", end, " bytes are not whole words of ", word,
                     " bytes; the word is the smallest item size of the bucket's tensors");
@@ -595,28 +605,8 @@ int64_t apply_delta(const at::Tensor& delta, const at::Tensor& base, const at::T
 
 int64_t pack(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out, bool checksum) {
   constexpr const char* op = "asyncsync::pack";
-  check_buffer(out, op, "out");
-  TORCH_CHECK_VALUE(offsets.size() == srcs.size(), op, ": got ", srcs.size(), " tensors but ", offsets.size(),
-                    " offsets; pass one byte offset per tensor");
-  // Non-contiguous (or lazily negated/conjugated) sources are materialized in C order first: the same
-  // bytes torch's copy_ writes. The copies stay alive in ``dense`` until the pack is done.
   std::vector<at::Tensor> dense;
-  Layout layout;
-  layout.segments.reserve(srcs.size());
-  for (size_t i = 0; i < srcs.size(); ++i) {
-    const at::Tensor* t = &srcs[i];
-    const auto index = static_cast<int64_t>(i);
-    check_tensor(*t, index, op);
-    const int64_t nbytes = nbytes_of(*t);
-    check_range(nbytes, offsets[i], index, out, op, "out");
-    if (!t->is_contiguous() || t->is_conj() || t->is_neg()) {
-      dense.push_back(t->resolve_conj().resolve_neg().contiguous());
-      t = &dense.back();
-    }
-    auto* data = const_cast<uint8_t*>(static_cast<const uint8_t*>(t->const_data_ptr()));
-    add_segment(layout, nbytes, data, offsets[i], index, out, op, "out");
-  }
-  finish_layout(layout, op);
+  const Layout layout = pack_layout(srcs, offsets, out, op, "out", dense);
   auto* buf = static_cast<uint8_t*>(out.mutable_data_ptr());
   if (!checksum) {
     run<true, false>(buf, layout);

@@ -128,3 +128,24 @@ def test_doctor_reports_the_baseline_memory(delta):
         assert memory["blocking_delta"]["device"] == memory["blocking"]["device"] + memory["async_device"]["device"]
     else:
         assert "blocking_delta" not in memory
+
+
+def test_a_delta_request_is_validated_as_it_is_parsed():
+    from asyncsync.protocol.specs import BucketPlan
+    from asyncsync.protocol.wire import BucketMeta, DeltaVersion, UpdateRequest, WireError
+
+    plan = BucketPlan.from_tensors([("a", torch.zeros(100)), ("b", torch.zeros(10, dtype=torch.bfloat16))], 256)
+    buckets = tuple(BucketMeta.of(b) for b in plan.buckets)
+    good = UpdateRequest(5, buckets, True, delta=DeltaVersion(4, (100,) + (0,) * (len(buckets) - 1)))
+    assert UpdateRequest.from_json(good.to_json()) == good
+    bad = [
+        ({"checksum": False}, "needs checksum true"),
+        ({"delta": {"base": 5, "nbytes": [0] * len(buckets)}}, "not older than the version 5"),
+        ({"delta": {"base": 4, "nbytes": [buckets[0].nbytes] + [0] * (len(buckets) - 1)}}, "no smaller as a delta"),
+        ({"delta": {"base": 4, "nbytes": [1]}}, r"1 size\(s\) for"),
+        ({"delta": {"base": 0, "nbytes": [0] * len(buckets)}}, "committed version >= 1"),
+        ({"delta": {"base": 4, "nbytes": [-1] + [0] * (len(buckets) - 1)}}, "byte counts >= 0"),
+    ]
+    for change, message in bad:
+        with pytest.raises(WireError, match=message):
+            UpdateRequest.from_json({**good.to_json(), **change})

@@ -63,10 +63,15 @@ class CorruptOneDelta:
         monkeypatch.setattr(Prepacked, "delta", delta)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_servers() -> Iterator[list[ServerProcess]]:
     with running([ServerProcess(mixed_dtype_model, (TINY,)) for _ in range(2)]) as servers:
         yield servers
+
+
+def next_version(servers: list[ServerProcess]) -> int:
+    """The first version newer than any the servers serve (tests share them, one after another)."""
+    return max(s.get("/version")["version"] for s in servers) + 1
 
 
 def served(urls_or_servers: list) -> list[tuple[int, dict[str, str]]]:
@@ -76,26 +81,27 @@ def served(urls_or_servers: list) -> list[tuple[int, dict[str, str]]]:
 def test_a_corrupted_delta_is_refused_whole_and_the_next_version_goes_whole(two_servers, monkeypatch):
     corrupt = CorruptOneDelta(monkeypatch)
     model = mixed_dtype_model(TINY)
+    v = next_version(two_servers)
     with WeightSync(config([s.url for s in two_servers])) as sync:
         sync.connect(model)
-        for version in (1, 2):
+        for version in (v, v + 1):
             nudge(model, version)
-            assert sync.publish(model, version).delta_base == (None if version == 1 else 1)
+            assert sync.publish(model, version).delta_base == (None if version == v else v)
         good = digest(model)
         corrupt.armed = True
-        nudge(model, 3)
-        bad = sync.publish(model, 3)
-        assert bad.delta_base == 2 and bad.server_versions == {}
+        nudge(model, v + 2)
+        bad = sync.publish(model, v + 2)
+        assert bad.delta_base == v + 1 and bad.server_versions == {}
         assert all("checksum mismatch" in f or "does not decode" in f for f in bad.failures.values()), bad.failures
         assert [e.kind for e in sync.events] == ["refused", "refused"]
-        assert served(two_servers) == [(2, good)] * 2, "the old version keeps serving, untouched"
-        nudge(model, 4)
-        whole = sync.publish(model, 4)
-        assert whole.delta_base is None and whole.server_versions == {s.url: 4 for s in two_servers}
-        assert served(two_servers) == [(4, digest(model))] * 2
-        nudge(model, 5)
-        assert sync.publish(model, 5).delta_base == 4, "deltas again once every server committed the baseline"
-        assert served(two_servers) == [(5, digest(model))] * 2
+        assert served(two_servers) == [(v + 1, good)] * 2, "the old version keeps serving, untouched"
+        nudge(model, v + 3)
+        whole = sync.publish(model, v + 3)
+        assert whole.delta_base is None and whole.server_versions == {s.url: v + 3 for s in two_servers}
+        assert served(two_servers) == [(v + 3, digest(model))] * 2
+        nudge(model, v + 4)
+        assert sync.publish(model, v + 4).delta_base == v + 3, "deltas again once every server committed the baseline"
+        assert served(two_servers) == [(v + 4, digest(model))] * 2
 
 
 def test_a_delta_against_a_version_the_server_does_not_hold_is_refused(two_servers, monkeypatch):
@@ -104,23 +110,24 @@ def test_a_delta_against_a_version_the_server_does_not_hold_is_refused(two_serve
     corrupt = CorruptOneDelta(monkeypatch)
     model = mixed_dtype_model(TINY)
     urls = [s.url for s in two_servers]
+    v = next_version(two_servers)
     with WeightSync(config(urls)) as sync:
         sync.connect(model)
-        for version in (1, 2):
+        for version in (v, v + 1):
             nudge(model, version)
             sync.publish(model, version)
         corrupt.armed = True
-        nudge(model, 3)
-        assert sync.publish(model, 3).server_versions == {}
-        sync._members[0].baselines = {u: 3 for u in urls}  # the lie: both servers still hold version 2
-        nudge(model, 4)
-        wrong = sync.publish(model, 4)
-        assert wrong.delta_base == 3 and wrong.server_versions == {}
-        assert all("delta against version 3, but this receiver committed version 2" in f
+        nudge(model, v + 2)
+        assert sync.publish(model, v + 2).server_versions == {}
+        sync._members[0].baselines = {u: v + 2 for u in urls}  # the lie: both servers still hold v + 1
+        nudge(model, v + 3)
+        wrong = sync.publish(model, v + 3)
+        assert wrong.delta_base == v + 2 and wrong.server_versions == {}
+        assert all(f"delta against version {v + 2}, but this receiver committed version {v + 1}" in f
                    for f in wrong.failures.values()), wrong.failures
-        nudge(model, 5)
-        assert sync.publish(model, 5).delta_base is None
-        assert served(two_servers) == [(5, digest(model))] * 2
+        nudge(model, v + 4)
+        assert sync.publish(model, v + 4).delta_base is None
+        assert served(two_servers) == [(v + 4, digest(model))] * 2
 
 
 def test_a_delta_against_other_bytes_of_the_same_version_is_caught_by_the_checksum():
@@ -187,7 +194,7 @@ def test_superseded_async_versions_leave_every_server_bit_exact_and_never_torn()
     with running([ServerProcess(mixed_dtype_model, (TINY,), faults=slow) for _ in range(2)]) as servers:
         with Watcher(servers) as watcher, WeightSync(config([s.url for s in servers], async_weight_update=True)) as sync:
             sync.connect(model)
-            for version in range(1, 25):
+            for version in range(1, 17):
                 sync.wait_snapshot()
                 nudge(model, version)
                 published[version] = digest(model)
@@ -197,7 +204,7 @@ def test_superseded_async_versions_leave_every_server_bit_exact_and_never_torn()
         final = served(servers)
     history = list(sync.metrics.history)
     assert sync.metrics.superseded > 0 and sync.errors == []
-    assert final == [(24, published[24])] * 2
+    assert final == [(16, published[16])] * 2
     torn = {v for samples in watcher.samples.values() for v, d in samples if v in published and d != published[v]}
     assert torn == set()
     sent = [r.version for r in history]

@@ -12,8 +12,8 @@ in one process per link (``benchmarks.netns``: a private network namespace whose
 to R gbit/s; every byte to the server crosses it). Per link and regime, four lanes, each a
 ``WeightSync`` with a reference server of its own (``transport: collective``, 64 MiB buckets):
 blocking and async, ``delta: auto`` and ``delta: off``, each step's version published to the auto
-lanes and, at sampled steps, to the off lanes (a whole version costs the same at every step), lanes
-one after another. Sync time is wall time from ``publish`` until the server serves the version.
+lanes and, at sampled steps, to the off lanes (a whole version costs the same at every step; the
+dense regime's lanes all sample every 2nd step), lanes one after another. Sync time is wall time from ``publish`` until the server serves the version.
 Every lane first takes the initial weights twice (warm-up: the server allocates its two buffer sets).
 
 Per row (a mode and a sparse regime; the contract keys of the issue):
@@ -25,7 +25,7 @@ Per row (a mode and a sparse regime; the contract keys of the issue):
 and per step everything behind them, with each step's trainer-side encode time (``encode_s``).
 ``break_even``: a synthetic sweep (the bf16 model's buckets with a given fraction of elements
 changed, deltas forced) of blocking sync time with deltas vs whole, per link: where deltas stop
-paying, which sets ``asyncsync.packing.delta.MAX_FRACTION``.
+paying, on which ``asyncsync.packing.delta.MAX_FRACTION`` is based.
 
     python -m benchmarks.delta [--steps 20] [--links 1 8] [--no-loopback]
 Writes benchmarks/results/delta.{json,png}. CPU-heavy: run it once, on as quiet a machine as you have.
@@ -47,11 +47,13 @@ from typing import Any
 
 import torch
 
+from asyncsync.packing.delta import MAX_FRACTION
 from benchmarks import netns
 from benchmarks.common import save
 
 STEPS = 20
-OFF_EVERY = 4        # off lanes (and every dense lane) publish every 4th step, plus the first
+OFF_EVERY = 4        # off lanes publish every 4th step, plus the first
+DENSE_EVERY = 2      # every lane of the dense regime publishes every 2nd step, plus the first
 BUCKET_BYTES = "64MiB"
 SEQ_LEN = 32
 TARGETS = {"bytes_ratio": 0.05, "time_ratio_1gbit": 0.2, "time_ratio_8gbit": 0.5, "dense_time_ratio": 1.05}
@@ -219,7 +221,8 @@ def run_link(folder: Path, regimes: list[str], steps: int, out_path: Path, sweep
                 dense = regime.name.startswith("dense")
                 for step in range(1, steps + 1):
                     apply_patch(weights, torch.load(folder / regime.name / f"step{step}.pt"))
-                    sampled = step == 1 or step % OFF_EVERY == 0
+                    every = DENSE_EVERY if dense else OFF_EVERY
+                    sampled = step == 1 or step % every == 0
                     order = lanes[step % len(lanes):] + lanes[: step % len(lanes)]  # spread the machine's drift
                     for lane in order:
                         if (lane.delta == "off" or dense) and not sampled:
@@ -425,7 +428,8 @@ def main() -> None:
         "note": ("measured on this project's 2-core machine while other engineers' jobs shared its cores; ratios "
                  "come from lanes run one after another in the same process, so they saw the same load"),
         "regimes": {r.name: {"model": r.model, "lr": r.lr, "sent": r.sent} for r in REGIMES if r.name in trained},
-        "steps": args.steps, "bucket_bytes": BUCKET_BYTES, "off_lanes_every": OFF_EVERY, "targets": TARGETS,
+        "steps": args.steps, "bucket_bytes": BUCKET_BYTES, "off_lanes_every": OFF_EVERY, "dense_lanes_every": DENSE_EVERY,
+        "max_fraction": MAX_FRACTION, "targets": TARGETS,
         "trained": trained, "links": links, "skipped": skipped,
     }
     results["summary"] = summarize(trained, links)

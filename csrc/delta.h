@@ -46,6 +46,14 @@ ASYNCSYNC_DELTA_HD inline int lowest_bit(uint32_t x) {
 #endif
 }
 
+ASYNCSYNC_DELTA_HD inline int highest_bit(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  return 31 - __clz(static_cast<int>(x));
+#else
+  return 31 - __builtin_clz(x);
+#endif
+}
+
 ASYNCSYNC_DELTA_HD inline int popcount(uint32_t x) {
 #ifdef __CUDA_ARCH__
   return __popc(x);
@@ -63,19 +71,18 @@ struct BlockPlan {
   int64_t value_bytes;   // entries * word
 };
 
-// The cheapest mode for a block of ``bw`` words whose changes are ``mask``.
+// The cheapest mode for a block of ``bw`` words whose changes are ``mask``. One step per mask word:
+// two changes inside one word are never 256 words apart, so fillers come only from the distance
+// between one word's last change and the next word's first.
 ASYNCSYNC_DELTA_HD inline BlockPlan plan_block(const uint32_t* mask, int64_t bw, int64_t word) {
   int64_t changed = 0, fillers = 0, prev = -1;
   const int64_t nmask = (bw + 31) / 32;
   for (int64_t m = 0; m < nmask; ++m) {
-    uint32_t bits = mask[m];
+    const uint32_t bits = mask[m];
+    if (!bits) continue;
     changed += popcount(bits);
-    while (bits) {
-      const int64_t pos = m * 32 + lowest_bit(bits);
-      bits &= bits - 1;
-      fillers += (pos - prev - 1) / 256;
-      prev = pos;
-    }
+    fillers += (m * 32 + lowest_bit(bits) - prev - 1) / 256;
+    prev = m * 32 + highest_bit(bits);
   }
   BlockPlan plan{0, static_cast<uint32_t>(changed), kGap1, 0, 0};
   if (changed == 0) return plan;

@@ -367,45 +367,79 @@ Layout pack_layout(at::TensorList srcs, at::IntArrayRef offsets, const at::Tenso
 
 // ---------------------------------------------------------------------------------------------
 // Delta encoding (delta.h): pack into the buffer that holds the previous version, and in the same
-// pass over each block find the words that changed and encode them.
+// pass over each block (while it is in cache) find the words that changed and encode them.
 
-// Bit j of ``mask`` (zeroed here) = word j differs between ``a`` and ``b`` (``n`` words of kWord bytes).
+// ORs ``bits`` (``nbits`` <= 32 of them) into the bitmask ``mask`` at bit ``pos``.
+inline void set_bits(uint32_t* mask, int64_t pos, uint32_t bits, int64_t nbits) {
+  const int64_t shift = pos % 32;
+  mask[pos / 32] |= bits << shift;
+  if (shift + nbits > 32) mask[pos / 32 + 1] |= bits >> (32 - shift);
+}
+
+// Sets bit ``first + j`` of ``mask`` for every word j of the ``n`` words (kWord bytes each) that
+// differ between ``a`` and ``b``. Runs of 64 bytes that did not change, nearly all of them in an RL
+// update, cost one test.
 template <int kWord>
-void diff_words(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* mask) {
-  std::memset(mask, 0, static_cast<size_t>((n + 31) / 32) * sizeof(uint32_t));
+void diff_words(const uint8_t* a, const uint8_t* b, int64_t n, int64_t first, uint32_t* mask) {
   int64_t i = 0;
 #if defined(__SSE2__)
-  if (kWord <= 4) {
-    constexpr int64_t kPer = 16 / kWord;  // words per vector; divides 32, so bits never straddle
-    for (; i + kPer <= n; i += kPer) {
-      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i * kWord));
-      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i * kWord));
-      uint32_t equal;
-      if (kWord == 1) {
-        equal = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)));
-      } else if (kWord == 2) {
-        const __m128i eq = _mm_cmpeq_epi16(x, y);
-        equal = static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq, eq))) & 0xFFu;
-      } else {
-        equal = static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, y))));
-      }
-      const uint32_t changed = ~equal & ((kPer == 32 ? 0u : (1u << kPer)) - 1u);
-      if (changed) mask[i / 32] |= changed << (i % 32);
+  constexpr int64_t kPer = 16 / kWord;  // words per vector
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  const auto vector_bits = [](__m128i x, __m128i y) -> uint32_t {  // one bit per word that differs
+    if (kWord == 1) return ~static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y))) & 0xFFFFu;
+    if (kWord == 2) {
+      const __m128i eq = _mm_cmpeq_epi16(x, y);
+      return ~static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq, eq))) & 0xFFu;
+    }
+    const uint32_t ints = ~static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, y)))) & 0xFu;
+    return kWord == 4 ? ints : ((ints & 3u) != 0) | (((ints & 12u) != 0) << 1);
+  };
+  const __m128i zero = _mm_setzero_si128();
+  for (; i + 4 * kPer <= n; i += 4 * kPer) {
+    const uint8_t *pa = a + i * kWord, *pb = b + i * kWord;
+    const __m128i x0 = load(pa), x1 = load(pa + 16), x2 = load(pa + 32), x3 = load(pa + 48);
+    const __m128i y0 = load(pb), y1 = load(pb + 16), y2 = load(pb + 32), y3 = load(pb + 48);
+    const __m128i any = _mm_or_si128(_mm_or_si128(_mm_xor_si128(x0, y0), _mm_xor_si128(x1, y1)),
+                                     _mm_or_si128(_mm_xor_si128(x2, y2), _mm_xor_si128(x3, y3)));
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(any, zero)) == 0xFFFF) continue;
+    const __m128i xs[4] = {x0, x1, x2, x3}, ys[4] = {y0, y1, y2, y3};
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t bits = vector_bits(xs[v], ys[v]);
+      if (bits) set_bits(mask, first + i + v * kPer, bits, kPer);
     }
   }
 #endif
   for (; i < n; ++i)
-    if (std::memcmp(a + i * kWord, b + i * kWord, kWord) != 0) mask[i / 32] |= 1u << (i % 32);
+    if (std::memcmp(a + i * kWord, b + i * kWord, kWord) != 0) set_bits(mask, first + i, 1u, 1);
 }
 
-void diff_mask(const uint8_t* a, const uint8_t* b, int64_t n, int64_t word, uint32_t* mask) {
+void diff_range(const uint8_t* a, const uint8_t* b, int64_t n, int64_t first, int64_t word, uint32_t* mask) {
   switch (word) {
-    case 1: return diff_words<1>(a, b, n, mask);
-    case 2: return diff_words<2>(a, b, n, mask);
-    case 4: return diff_words<4>(a, b, n, mask);
-    default: return diff_words<8>(a, b, n, mask);
+    case 1: return diff_words<1>(a, b, n, first, mask);
+    case 2: return diff_words<2>(a, b, n, first, mask);
+    case 4: return diff_words<4>(a, b, n, first, mask);
+    default: return diff_words<8>(a, b, n, first, mask);
   }
 }
+
+// The changes a pack of bytes [lo, hi) would make to ``buf`` (whose words are ``word`` bytes, the
+// first at ``lo``): ``mask`` (zeroed here) gets a bit per word whose new bytes, read from the
+// segments, differ from what ``buf`` holds. Bytes no segment covers keep theirs: no bit. Called
+// before the pack writes the range, so the baseline is read where it is, never copied aside.
+void diff_block(const uint8_t* buf, const std::vector<Segment>& segs, int64_t lo, int64_t hi, int64_t word,
+                uint32_t* mask) {
+  std::memset(mask, 0, static_cast<size_t>(((hi - lo) / word + 31) / 32) * sizeof(uint32_t));
+  auto it = std::upper_bound(segs.begin(), segs.end(), lo,
+                             [](int64_t pos, const Segment& s) { return pos < s.offset + s.nbytes; });
+  for (; it != segs.end() && it->offset < hi; ++it) {
+    const int64_t a = std::max(lo, it->offset), b = std::min(hi, it->offset + it->nbytes);
+    // Offsets are multiples of each tensor's item size, itself a multiple of the word.
+    diff_range(buf + a, it->data + (a - it->offset), (b - a) / word, (a - lo) / word, word, mask);
+  }
+}
+
+// Blocks a thread encodes before it may give up on a bucket whose delta is on course for twice its limit.
+constexpr int64_t kProjectAfterBlocks = 8;
 
 // One thread's contiguous run of blocks: their index and value bytes per mode (R values are taken
 // from the buffer when the delta is assembled), the raw CRC of its bytes and the words that changed.
@@ -438,23 +472,27 @@ std::tuple<int64_t, int64_t, at::Tensor> pack_delta(at::TensorList srcs, at::Int
   std::atomic<int64_t> spent{0};
   std::atomic<bool> gave_up{limit <= 0};
   const auto work = [&](int64_t lo_chunk, int64_t hi_chunk) {
-    std::vector<uint8_t> old(static_cast<size_t>(block_bytes));
     std::vector<uint32_t> mask(d::kMaskWords);
     for (int64_t c = lo_chunk; c < hi_chunk; ++c) {
       DeltaChunk& out = chunks[c];
+      int64_t own_spent = 0, own_bytes = 0, own_blocks = 0;
       for (int64_t b = c * per; b < std::min(nblocks, (c + 1) * per); ++b) {
         const int64_t lo = b * block_bytes, hi = std::min(end, lo + block_bytes), bw = (hi - lo) / word;
         const bool encode = !gave_up.load(std::memory_order_relaxed);
-        if (encode) std::memcpy(old.data(), buf + lo, static_cast<size_t>(hi - lo));  // the baseline's words
+        if (encode) diff_block(buf, layout.segments, lo, hi, word, mask.data());  // before the pack overwrites it
         out.crc = crc_shift(out.crc, hi - lo) ^ process_range<true, true>(buf, layout.segments, lo, hi);
         if (!encode) continue;
-        diff_mask(old.data(), buf + lo, bw, word, mask.data());
         const d::BlockPlan plan = d::plan_block(mask.data(), bw, word);
         plans[b] = plan;
         out.changed += plan.changed;
         const int64_t cost = plan.index_bytes + plan.value_bytes;
-        if (spent.fetch_add(cost, std::memory_order_relaxed) + cost > limit) {
-          gave_up.store(true, std::memory_order_relaxed);  // the whole bucket goes out: stop encoding
+        own_spent += cost, own_bytes += hi - lo, ++own_blocks;
+        // Past the limit, or on course for twice it by this thread's first blocks (a dense update):
+        // the whole bucket goes out, and every thread stops encoding.
+        if (spent.fetch_add(cost, std::memory_order_relaxed) + cost > limit ||
+            (own_blocks >= kProjectAfterBlocks &&
+             static_cast<double>(own_spent) * static_cast<double>(end) > 2.0 * static_cast<double>(limit) * own_bytes)) {
+          gave_up.store(true, std::memory_order_relaxed);
           continue;
         }
         if (plan.entries == 0 || plan.mode == d::kRaw) continue;

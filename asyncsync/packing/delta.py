@@ -8,10 +8,12 @@ and one of the baseline, no second copy of the model: the baseline lives in the 
 packs into anyway (async mode's snapshot, or blocking mode's whole-version buffers).
 
 Full fallback, per bucket: the encoder gives up, and the bucket goes out whole, once its delta
-would exceed ``limit(nbytes)``, the measured break-even (``MAX_FRACTION`` of the bucket; above it
-the receiver's rebuild costs more than the bytes it saves on an 8 gbit/s link,
-benchmarks/results/delta.json ``break_even``). Which servers may get a delta at all (those that
-committed exactly the baseline's version) is the sender's business (``transport.send``).
+would exceed ``limit(nbytes)`` (``MAX_FRACTION`` of the bucket: about where, on an 8 gbit/s link,
+encoding and rebuilding a delta stop costing less than the bytes it saves; benchmarks/results/
+delta.json ``break_even`` has the measurement), or once a thread's first blocks put it on course for
+twice that (a dense update: it then costs little more than a plain pack). Which servers may get a
+delta at all (those that committed exactly the baseline's version) is the sender's business
+(``transport.send``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 # A bucket's delta is sent only while it is at most this fraction of the bucket's bytes.
-MAX_FRACTION = 0.25
+MAX_FRACTION = 0.1
 
 
 def limit(nbytes: int) -> int:

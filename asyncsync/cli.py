@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -34,43 +33,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("ASYNCSYNC_TOKEN") or None
     logging.getLogger("asyncsync").info("serving on http://%s:%d (auth %s)", args.host, args.port, "on" if token else "off")
     lease = TRAINER_LEASE_S if args.trainer_lease_s is None else args.trainer_lease_s
-    run_server(model, args.host, args.port, token, trainer_lease_s=lease)
+    run_server(model, args.host, args.port, token, trainer_lease_s=lease, max_version_bytes=args.max_version_bytes)
     return 0
 
 
 def cmd_grpo(args: argparse.Namespace) -> int:
     from asyncsync.config import ConfigError
-    from asyncsync.grpo import GRPOConfig, RunSummary, run_grpo
+    from asyncsync.grpo import GRPOConfig
+    from asyncsync.grpo.compare import MEANING, compare
+    from asyncsync.grpo.loop import VllmMissing
 
+    overrides = list(args.overrides) + ([f"link_gbit={args.link_gbit}"] if args.link_gbit else [])
     try:
-        cfg = GRPOConfig.load(args.config, args.overrides)
-    except (ConfigError, OSError) as e:
+        cfg = GRPOConfig.load(args.config, overrides)
+        regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+        modes = (False, True) if args.compare else (cfg.weight_sync.async_weight_update,)
+        figures = compare(cfg, regimes, not (args.quiet or args.no_progress), overrides, args.config, modes)
+    except (ConfigError, OSError, ValueError) as e:
         print(f"asyncsync grpo: bad configuration: {e}", file=sys.stderr)
         return 2
-    modes = [False, True] if args.compare else [cfg.weight_sync.async_weight_update]
-    summaries: list[RunSummary] = []
-    for is_async in modes:
-        run_cfg = dataclasses.replace(cfg, weight_sync=cfg.weight_sync.replace(async_weight_update=is_async))
-        s = run_grpo(run_cfg, progress=not args.no_progress)
-        summaries.append(s)
-        rewards = [r.reward for r in s.records]
-        every = max(1, len(rewards) // 12)
-        syncs = sorted(r.sync_s for r in s.records)
-        print(f"[{s.mode}] reward every {every} steps: " + " ".join(f"{r:.2f}" for r in rewards[::every]))
-        print(
-            f"[{s.mode}] {s.steps} steps in {s.wall_s:.1f}s = {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s | "
-            f"reward {s.reward_first:.2f} -> {s.reward_last:.2f} | max version lag {s.max_version_lag} "
-            f"(max_staleness {cfg.weight_sync.max_staleness}) | median sync {syncs[len(syncs) // 2] * 1e3:.1f} ms | "
-            f"superseded {s.sync_metrics.get('superseded', 0)}",
-            flush=True,
-        )
+    except VllmMissing as e:
+        print(f"asyncsync grpo: {e}", file=sys.stderr)
+        return 3
+    for regime in figures:
+        for mode in regime.modes:
+            print(f"{regime.regime} {mode.line()}")
     if args.compare:
-        blocking, async_ = summaries
-        print(f"async vs blocking: {async_.steps_per_s / blocking.steps_per_s:.2f}x the steps/s "
-              f"({async_.steps_per_s:.2f} vs {blocking.steps_per_s:.2f})")
+        for regime in figures:
+            print(regime.line())
+        print(MEANING)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([s.as_dict() for s in summaries], f, indent=2)
+            json.dump({"regimes": [r.as_dict() for r in figures]}, f, indent=2)
     return 0
 
 
@@ -102,7 +96,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
               "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
         for mode, b in WeightSync(sync_cfg).memory(model).items():
-            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host")
+            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host, "
+                  f"{b['conversion'] / 1e6:.1f} MB at most for converting to the engines' layout")
     return 0
 
 
@@ -121,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds without a call after which a trainer that still holds this server (hung) "
                             "loses it to another trainer's connect; a crashed or closed trainer loses it at once "
                             "(default 120)")
+    serve.add_argument("--max-version-bytes", type=int,
+                       help="the most bytes one announced version may make this server allocate to receive it; "
+                            "larger announcements are refused before anything is allocated (default: the served "
+                            "model's size, exactly what a valid version holds)")
     serve.set_defaults(fn=cmd_serve)
 
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",
@@ -129,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     grpo.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                       help="override any setting, e.g. weight_sync.async_weight_update=false steps=20")
     grpo.add_argument("--compare", action="store_true", help="run blocking then async sync and compare throughput")
+    grpo.add_argument("--regimes", default="host",
+                      help="host (servers on this machine, as they are), link (as if on other hosts: every version "
+                           "crosses an emulated link of link_gbit), or host,link (default: host)")
+    grpo.add_argument("--link-gbit", type=float, help="the link regime's rate in gbit/s (overrides link_gbit)")
     grpo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    grpo.add_argument("--json", help="also write the run's summary and per-step records here")
+    grpo.add_argument("--quiet", action="store_true", help="no progress bars and no log lines: only the figures")
+    grpo.add_argument("--json", help="also write every regime's and mode's figures here")
     grpo.set_defaults(fn=cmd_grpo)
 
     doctor = sub.add_parser("doctor", help="report which pack, checksum and data-plane paths are active, and the "
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor.set_defaults(fn=cmd_doctor)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, _on_interrupt)
     try:
         return args.fn(args)
@@ -151,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_now() -> None:
-    """Kill the child processes (embedded servers, trainer ranks) and exit without further clean-up."""
+    """Kill the child processes (embedded servers, vLLM servers, trainer ranks) and exit without
+    further clean-up."""
     import multiprocessing
 
     for child in multiprocessing.active_children():
         child.kill()
+    if "asyncsync.receivers.vllm.launch" in sys.modules:
+        sys.modules["asyncsync.receivers.vllm.launch"].kill_all()
     os._exit(130)
 
 

@@ -62,6 +62,9 @@ class SyncMetrics:
         self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
         self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
         self.baseline_bytes = 0  # of those, the buffers that hold the delta baseline
+        # the most bytes converting to the engines' layout allocates at once while a version is packed
+        # (trainer.layout: copies such as the gate/up split of fused experts), on the weights' device
+        self.conversion_bytes = 0
         # Bytes each server holds beside its live weights to receive versions (vLLM: a staging arena
         # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
         self.receiver_staging_bytes: dict[str, int] = {}
@@ -83,6 +86,8 @@ class SyncMetrics:
                                  registry=r)
         self._p_wire = Counter("asyncsync_wire_bytes", "Bytes broadcast into the data-plane groups (deltas where sent)",
                                registry=r)
+        self._p_conversion = Gauge("asyncsync_conversion_bytes", "Most bytes converting to the engines' layout "
+                                   "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
                                 ["server"], registry=r)
         self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
@@ -104,11 +109,13 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int, host_nbytes: int = 0, baseline_nbytes: int = 0) -> None:
+    def allocated(self, nbytes: int, host_nbytes: int = 0, conversion_bytes: int = 0, baseline_nbytes: int = 0) -> None:
         with self._lock:
-            self.buffer_bytes, self.host_buffer_bytes, self.baseline_bytes = nbytes, host_nbytes, baseline_nbytes
+            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
+            self.conversion_bytes, self.baseline_bytes = conversion_bytes, baseline_nbytes
         self._p_buffers.set(nbytes)
         self._p_host.set(host_nbytes)
+        self._p_conversion.set(conversion_bytes)
         self._p_baseline.set(baseline_nbytes)
 
     def staging(self, per_server: dict[str, int]) -> None:
@@ -139,7 +146,8 @@ class SyncMetrics:
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
                 "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
-                "host_buffer_bytes": self.host_buffer_bytes, "baseline_bytes": self.baseline_bytes,
+                "host_buffer_bytes": self.host_buffer_bytes, "conversion_bytes": self.conversion_bytes,
+                "baseline_bytes": self.baseline_bytes,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "events": [asdict(e) for e in self.events],
             }

@@ -7,6 +7,7 @@ they start bit-identical; ``generate`` is the one decoding loop both sides use.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +104,9 @@ def generate(
     """``n`` completions of one prompt (greedy at temperature 0), decoded with the model's KV cache."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)
+    key = cache_argument(model)
     out = model(input_ids=ids, use_cache=True)
-    past, completions = out.past_key_values, []
+    past, completions = out[key], []
     logits = out.logits[:, -1, :]
     for _ in range(max_new_tokens):
         if temperature > 0:
@@ -115,8 +117,27 @@ def generate(
         completions.append(token)
         if len(completions) == max_new_tokens:
             break
-        out = model(input_ids=token, past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1, :]
+        out = model(input_ids=token, use_cache=True, **{key: past})
+        past, logits = out[key], out.logits[:, -1, :]
     if not completions:
         return [[] for _ in range(n)]
     return torch.cat(completions, dim=1).tolist()
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name transformers gives the KV cache in ``forward`` and its outputs: ``cache`` from 5.20 on
+    (``past_key_values`` is deprecated there, with a warning at every call), ``past_key_values`` before."""
+    forward = getattr(model, "forward", None)
+    return "cache" if forward is not None and "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer built locally for a model of ``vocab_size`` (no download): token ``i`` is the word
+    ``t{i}``, words split on whitespace; 0 is padding (and BOS), 1 is EOS, as in ``hf_config``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t0", eos_token="t1", unk_token="t2")

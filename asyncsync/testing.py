@@ -1,14 +1,30 @@
-"""Models for tests: what real checkpoints mix in, so the data plane is exercised on all of it."""
+"""For tests and benchmarks: models that mix what real checkpoints mix in, so the data plane is
+exercised on all of it; reference servers in child processes; a rogue trainer."""
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import torch
 
+from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
 from asyncsync.models import ModelConfig, build_model
+from asyncsync.protocol.device import HostRuntime
+from asyncsync.protocol.frames import FrameHeader
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
+from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.wire import SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference.app import Faults
 from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.transport.topology import TrainerGroups
 
-__all__ = ["Faults", "ServerProcess", "mixed_dtype_model", "running"]
+__all__ = ["Faults", "RogueTrainer", "ServerProcess", "http_call", "mixed_dtype_model", "running"]
 
 
 def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:
@@ -20,3 +36,96 @@ def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:
     model.register_buffer("token_counts", torch.zeros(cfg.vocab_size, dtype=torch.int64))
     model.register_buffer("temperature_scale", torch.tensor(1.0))
     return model
+
+
+def http_call(url: str, method: str, path: str, body: Any = None, token: str | None = None,
+              session: str | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
+    """(status, decoded JSON body or None) of one plain HTTP call; 4xx/5xx are returned, not raised."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if session:
+        headers[SESSION_HEADER] = session
+    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None, headers,
+                                 method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, text = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read()
+    return status, json.loads(text) if text else None
+
+
+class RogueTrainer:
+    """Rank 0 of a data-plane group with one server running asyncsync's receiver (a reference server,
+    or with ``vllm`` a vLLM server with asyncsync's backend, through vLLM's own routes), sending
+    whatever a test tells it to: the trainer that lies (a bucket longer than announced, frames of
+    another plan) or goes silent.
+
+        rogue = RogueTrainer(url)                       # the server joined the group (POST /init_group)
+        request, buckets = rogue.version(named, 7)      # a valid version of ``named`` for this server
+        status, body, failed, took = rogue.send(request, [(header, payload), ...])
+        rogue.close()
+    """
+
+    def __init__(self, url: str, token: str | None = None, session: str | None = None, timeout_s: float = 10.0,
+                 vllm: bool = False):
+        self.url, self.token, self.session, self.vllm = url, token, session, vllm
+        self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"rogue{free_port()}", "gloo", timeout_s)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.init_group, InitGroupRequest(self.spec, 1).to_json())
+            group = DataPlaneGroup.join(self.spec, 0, HostRuntime())
+            status, body = joined.result(timeout_s + 30)
+        if status != 200:
+            group.close(broken=True)
+            raise RuntimeError(f"{url} did not join the rogue trainer's group: {status} {body}")
+        self.groups = TrainerGroups([(ASYNCSYNC_PROTOCOL, group)], HostRuntime())
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return http_call(self.url, method, path, body, self.token, self.session)
+
+    def init_group(self, body: Any) -> tuple[int, Any]:
+        """Post an ``InitGroupRequest`` body (anything) as the server's route takes it."""
+        if self.vllm:
+            return self.call("POST", "/init_weight_transfer_engine", {"init_info": body})
+        return self.call("POST", "/init_group", body)
+
+    def update(self, body: Any) -> tuple[int, Any]:
+        """Post an ``UpdateRequest`` body (anything) as the server's route takes it; on vLLM inside an
+        update session (start, update, finish: a refused update leaves nothing open)."""
+        if not self.vllm:
+            return self.call("POST", "/update", body)
+        self.call("POST", "/start_weight_update", {})
+        try:
+            return self.call("POST", "/update_weights", {"update_info": body})
+        finally:
+            self.call("POST", "/finish_weight_update", {})
+
+    def version(self, named: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 16 * 1024,
+                deadline_s: float = 5.0, checksum: bool = False) -> tuple[UpdateRequest, list[torch.Tensor]]:
+        """A valid version of ``named`` (on a reference server, of the tensors it expects by its
+        ``/weights/names``; on vLLM, ``named`` as it is): the request and each bucket's bytes."""
+        names = set(named) if self.vllm else set(self.call("GET", "/weights/names")[1]["names"])
+        plan = BucketPlan.from_tensors([(n, t) for n, t in named.items() if n in names], bucket_bytes)
+        flat = [torch.cat([named[s.name].detach().reshape(-1).view(torch.uint8) for s in b.specs]) for b in plan.buckets]
+        return UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), checksum,
+                             (deadline_s,) * len(flat)), flat
+
+    def send(self, request: UpdateRequest, payloads: Sequence[tuple[FrameHeader, torch.Tensor]],
+             timeout_s: float = 5.0) -> tuple[int, Any, str | None, float]:
+        """Post ``request`` and broadcast ``payloads`` (each after the given header) meanwhile: the
+        server's answer, what the rogue's own broadcasts said (None: all sent), and the answer's delay."""
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(self.update, request.to_json())
+            failed = None
+            try:
+                for header, payload in payloads:
+                    self.groups.wait(self.groups.broadcast_async(payload, timeout_s, header))
+            except DataPlaneError as e:
+                failed = str(e)
+            status, body = answer.result(120)
+        return status, body, failed, time.monotonic() - start
+
+    def close(self) -> None:
+        self.groups.close(broken=True)

@@ -15,7 +15,7 @@ compares runs that saw the same machine, in two regimes:
   - plain loopback (rows with ``link_gbit: null``): the wire is a kernel memcpy on the same cores
     that pack, checksum and verify, so the ratios measure CPU contention;
   - emulated links (``link_gbit: R``, ``link_delay_us: D``): the same measurement inside a network
-    namespace whose loopback is shaped to R gbit/s (+ D us each way), as ``benchmarks.netns`` makes
+    namespace whose loopback is shaped to R gbit/s (+ D us each way), as ``asyncsync.netns`` makes
     it; every byte to every receiver crosses that one link, so the wire is the bottleneck, as on a
     cluster. A link that cannot be made here is listed under ``skipped`` with the reason.
 Writes benchmarks/results/broadcast.{json,png}.
@@ -47,9 +47,9 @@ from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.trainer.source import named_tensors
 from asyncsync.receivers.reference.launch import ServerProcess, running
-from benchmarks import netns
+from asyncsync import netns
 from benchmarks.common import RESULTS, write_json
-from benchmarks.netns import Link
+from asyncsync.netns import Link
 
 QWEN2_05B_HALF = ModelConfig(
     family="qwen2", vocab_size=151936, hidden_size=448, intermediate_size=2432, num_layers=24,
@@ -242,7 +242,7 @@ def measure_here(receivers: list[int], repeats: int, bucket_sizes: list[int]) ->
 
 def measure_on_link(link: Link, args: argparse.Namespace) -> list[dict[str, Any]] | str:
     """The same rows measured in a network namespace whose loopback is shaped as ``link``
-    (``benchmarks.netns``), or the reason it could not be made."""
+    (``asyncsync.netns``), or the reason it could not be made."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "benchmarks.broadcast", "--rows-json", str(out), "--repeats", str(args.repeats),

@@ -8,7 +8,7 @@ loss over random tokens (seeded, so every run trains the same trajectory):
   - ``dense_fp32_lr1e-3``: fp32 parameters, lr 1e-3: nearly every element changes, ``auto`` must
     send whole versions and cost no more than ``delta: off``.
 Each regime is trained once (the versions are stored as the changes between them), then replayed
-in one process per link (``benchmarks.netns``: a private network namespace whose loopback is shaped
+in one process per link (``asyncsync.netns``: a private network namespace whose loopback is shaped
 to R gbit/s; every byte to the server crosses it). Per link and regime, four lanes, each a
 ``WeightSync`` with a reference server of its own (``transport: collective``, 64 MiB buckets):
 blocking and async, ``delta: auto`` and ``delta: off``, each step's version published to the auto
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from asyncsync.packing.delta import MAX_FRACTION
-from benchmarks import netns
+from asyncsync import netns
 from benchmarks.common import save
 
 STEPS = 20

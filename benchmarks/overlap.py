@@ -9,7 +9,7 @@ Plus publish() latency over many calls, and a timeline of one async step.
 Writes benchmarks/results/overlap.{json,png}.
 
 With ``--link-gbit R`` everything runs in a network namespace whose loopback is an R gbit/s link
-(``benchmarks.netns``; skipped, saying why, where none can be made): the sync is then bound by the
+(``asyncsync.netns``; skipped, saying why, where none can be made): the sync is then bound by the
 link, as on a cluster, rather than by the CPU it shares with the step. That run writes
 benchmarks/results/overlap_link.{json,png}, with the same keys and ``link_gbit`` next to the ratios.
 
@@ -29,7 +29,7 @@ import torch
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.launch import ServerProcess
-from benchmarks import netns
+from asyncsync import netns
 from benchmarks.common import save
 
 MODEL = ModelConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4)
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--publish-calls", type=int, default=2000)
     parser.add_argument("--bucket-bytes", default="32MiB")
-    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns)")
+    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (asyncsync.netns)")
     parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)  # already inside the namespace
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

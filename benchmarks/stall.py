@@ -54,7 +54,7 @@ from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.background import lower_thread_priority
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.vllm.launch import VllmServer
-from benchmarks import netns
+from asyncsync import netns
 from benchmarks.common import RESULTS, write_json
 
 log = logging.getLogger("benchmarks.stall")
@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", default="64MiB")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--skip", choices=["reference", "vllm"], action="append", default=[])
-    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (benchmarks.netns): "
+    parser.add_argument("--link-gbit", type=float, help="run on an emulated link of this rate (asyncsync.netns): "
                                                         "writes stall_link.{json,png}")
     parser.add_argument("--on-link", action="store_true", help=argparse.SUPPRESS)  # already inside the namespace
     args = parser.parse_args()

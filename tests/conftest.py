@@ -17,6 +17,12 @@ from asyncsync.testing import ServerProcess, mixed_dtype_model, running
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-requests", type=int, default=2000,
+                     help="bad requests the route fuzz test sends to a reference server (a longer run: 20000)")
+    parser.addoption("--fuzz-seed", type=int, default=0, help="the route fuzz test's random seed")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)

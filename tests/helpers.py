@@ -19,9 +19,12 @@ from aiohttp import web
 from asyncsync.config import WeightSyncConfig
 from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
 from asyncsync.protocol.device import HostRuntime
-from asyncsync.protocol.group import free_port
+from asyncsync.protocol.frames import VersionFrames
+from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.specs import Bucket, BucketPlan
+from asyncsync.protocol.wire import UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
@@ -29,6 +32,7 @@ from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.membership import Membership
 from asyncsync.transport.send import BucketSource, send_version
+from asyncsync.transport.topology import TrainerGroups
 
 CPU = torch.device("cpu")
 
@@ -68,6 +72,18 @@ def live_version(url: str) -> str:
 def sglang_config(url: str, bucket_bytes: int | str = "16KiB", **options: Any) -> WeightSyncConfig:
     """One server addressed as ``kind: sglang``; ``options`` are further WeightSyncConfig keys."""
     return WeightSyncConfig.from_dict({"servers": [{"url": url, "kind": "sglang"}], "bucket_bytes": bucket_bytes, **options})
+
+
+def send_frames(group: DataPlaneGroup, request: UpdateRequest, buckets: list[torch.Tensor],
+                crcs: list[int] | None = None) -> None:
+    """Rank 0's broadcasts of ``request`` into ``group`` as asyncsync's trainer sends them (each bucket
+    after its frame header; then the manifest ``crcs``, if given), for tests that play the trainer
+    below ``send_version``."""
+    groups, frames = TrainerGroups([(ASYNCSYNC_PROTOCOL, group)], group.runtime), VersionFrames.of(request)
+    for i, bucket in enumerate(buckets):
+        groups.wait(groups.broadcast_async(bucket, None, frames.header(i, bucket)))
+    if crcs is not None:
+        groups.broadcast_checksums(list(crcs), None, frames)
 
 
 class Watcher:

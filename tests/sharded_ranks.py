@@ -82,9 +82,13 @@ class Trainer:
         self.opt.zero_grad()
 
     def full(self) -> dict[str, torch.Tensor]:
+        """The model unsharded, in the checkpoint layout servers load (transformers' own reverse of
+        its fused experts, what ``save_pretrained`` writes)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         from asyncsync.trainer.source import module_tensors
 
-        return full_view(module_tensors(self.model))
+        return revert_weight_conversion(self.model, full_view(module_tensors(self.model)))
 
 
 def sync_config(urls: list[str], **overrides: Any) -> Any:
@@ -102,11 +106,11 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
     sync = WeightSync(sync_config(urls, **overrides))
     sync.connect(trainer.model)
     try:
-        named = sync._reader.read(trainer.model).tensors()
-        sent = {s.name for s in sync.plan.specs}
+        held = sync._reader.read(trainer.model).tensors().sources  # the fused experts, as the ranks hold them
         report = dict(buffer_bytes=sync.buffer_bytes, host_buffer_bytes=sync.host_buffer_bytes,
-                      local_bytes=local_bytes(named, sent), bucket_bytes=sync.plan.max_bucket_bytes,
-                      model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.buffer_bytes)
+                      local_bytes=local_bytes(held, set(sync.layout.source_specs)), bucket_bytes=sync.plan.max_bucket_bytes,
+                      model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.buffer_bytes,
+                      converted=not sync.layout.identity)
         full: dict[str, torch.Tensor] = {}
         for v in range(first, first + versions):
             sync.wait_snapshot()
@@ -135,8 +139,11 @@ def mesh_2d(rank: int, world: int, urls: list[str], version: int) -> dict[str, A
     from asyncsync.models import build_model
     from asyncsync.trainer.sync import WeightSync
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     mesh = init_device_mesh("cpu", (world, 1))
-    full = {n: t.detach() + 0.25 * version for n, t in build_model(moe_config()).state_dict().items()}
+    model = build_model(moe_config())  # a mapping is sent as it is: in the checkpoint layout servers load
+    full = {n: t.detach() + 0.25 * version for n, t in revert_weight_conversion(model, model.state_dict()).items()}
     named = {}
     for i, (n, t) in enumerate(full.items()):
         if t.dim() == 2:

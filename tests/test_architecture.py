@@ -37,7 +37,8 @@ def imported_after(code: str) -> list[str]:
 def test_the_receiver_side_imports_only_torch():
     loaded = imported_after(
         "import asyncsync.protocol.specs, asyncsync.protocol.wire, asyncsync.protocol.sglang, "
-        "asyncsync.protocol.checksum, asyncsync.protocol.group, asyncsync.protocol.staging, asyncsync.protocol.shm\n"
+        "asyncsync.protocol.checksum, asyncsync.protocol.group, asyncsync.protocol.staging, asyncsync.protocol.shm, "
+        "asyncsync.protocol.lora\n"
         "import torch\n"
         "from asyncsync.protocol.checksum import crc32c_of\n"
         "assert crc32c_of(torch.arange(9, dtype=torch.uint8)) > 0"
@@ -99,9 +100,9 @@ async def test_a_pack_backend_that_cannot_load_fails_before_any_server_is_contac
 
 @pytest.mark.parametrize("async_weight_update", [False, True], ids=["blocking", "async"])
 def test_a_changed_layout_is_refused_the_same_way_in_both_modes(two_servers, async_weight_update):
-    from asyncsync.models import build_model
+    from asyncsync.testing import mixed_dtype_model
 
-    model = build_model(TINY)
+    model = mixed_dtype_model(TINY)  # what the servers serve
     start = max(s.get("/version")["version"] for s in two_servers)
     cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in two_servers], "async_weight_update": async_weight_update})
     with WeightSync(cfg) as sync:

@@ -156,3 +156,32 @@ def test_metrics_dict_and_prometheus(two_servers):
     text = sync.prometheus_text()
     assert 'asyncsync_versions_total{outcome="sent"} 1.0' in text
     assert "asyncsync_sync_phase_seconds_bucket" in text
+
+
+def test_a_layout_every_server_refuses_is_an_error_and_nobody_waits_for_it(slow_servers, monkeypatch):
+    """Servers that cannot judge the plan at connect (as SGLang cannot) refuse each version for its
+    layout: that repeats at every version, so it lands in ``errors`` (not only in events), and
+    ``wait_for_fresh_servers`` without a timeout returns False at once instead of waiting forever."""
+    import time
+
+    from asyncsync.engines.base import EngineClient
+    from asyncsync.engines.reference import ReferenceEngine
+
+    monkeypatch.setattr(ReferenceEngine, "check_layout", EngineClient.check_layout)  # cannot tell
+    model = mixed_dtype_model(TINY)
+    extra = {**model.state_dict(), "no.such.weight": torch.zeros(4)}
+    start = max(s.get("/version")["version"] for s in slow_servers)
+    sync = WeightSync(async_config(slow_servers))
+    try:
+        sync.connect(extra)
+        for version in (start + 1, start + 2):
+            sync.wait_snapshot()
+            sync.publish(extra, version)
+        t0 = time.monotonic()
+        assert sync.wait_for_fresh_servers(start + 2, timeout=None) is False
+        assert time.monotonic() - t0 < 30
+    finally:
+        sync.close()
+    assert sync.errors and all("refused by every server for its layout" in e for e in sync.errors), sync.errors
+    assert "1 tensor(s) sent that it does not load, e.g. 'no.such.weight'" in sync.errors[-1]
+    assert {s.get("/version")["version"] for s in slow_servers} == {start}, "nothing was applied"

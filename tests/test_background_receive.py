@@ -26,6 +26,7 @@ from asyncsync.protocol.staging import BucketStager, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
 from fakes import FakeCuda
+from helpers import send_frames
 
 SHAPE = (64, 1024)  # 256 KiB: one bucket
 
@@ -49,9 +50,8 @@ class Link:
         data = weights(version).view(torch.uint8).reshape(-1)
 
         def run() -> None:
-            self.trainer.broadcast(data)
-            if checksum:
-                self.trainer.broadcast(torch.tensor([crc32c_of(data) ^ int(corrupt)], dtype=torch.int64))
+            send_frames(self.trainer, request(version, checksum), [data],
+                        [crc32c_of(data) ^ int(corrupt)] if checksum else None)
 
         thread = threading.Thread(target=run)
         thread.start()

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ from asyncsync.trainer.streams import StreamSet
 
 from conftest import TINY
 from fakes import FakeCuda, FakeCudaError, FakeCudaPack
-from helpers import ThreadedServer, Watcher, digest
+from helpers import ThreadedServer, Watcher, digest, send_frames
 
 
 @pytest.fixture(scope="module")
@@ -298,9 +297,10 @@ def test_a_receiver_answers_only_once_its_data_arrived(fake):
     stager.join(spec, 1)
     sender.join(30)
     try:
-        sending = threading.Thread(target=lambda: trainer[0].broadcast(data.view(torch.uint8)))
+        request = UpdateRequest(1, (meta,), checksum=False)
+        sending = threading.Thread(target=lambda: send_frames(trainer[0], request, [data.view(torch.uint8)]))
         sending.start()
-        staged = stager.receive(UpdateRequest(1, (meta,), checksum=False), served_version=0)
+        staged = stager.receive(request, served_version=0)
         assert torch.equal(dict(staged.tensors())["w"], data), "the receiver returned before its data arrived"
         sending.join(30)
     finally:
@@ -359,6 +359,7 @@ def test_the_harness_sees_senders_enqueueing_at_once(fake, servers, monkeypatch)
 def test_a_cold_group_is_first_used_with_nothing_else_in_flight():
     from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
     from asyncsync.engines.sglang import SGLANG_PROTOCOL
+    from asyncsync.protocol.frames import FrameHeader
     from asyncsync.transport.topology import TrainerGroups
 
     events: list[str] = []
@@ -376,9 +377,11 @@ def test_a_cold_group_is_first_used_with_nothing_else_in_flight():
 
     runtime = FakeCuda()
     groups = TrainerGroups([(ASYNCSYNC_PROTOCOL, Recorder("warm")), (SGLANG_PROTOCOL, Recorder("cold"))], runtime)
-    groups.wait(groups.broadcast_async(torch.zeros(1)))
-    groups.broadcast_async(torch.zeros(1))
-    assert events == ["start warm", "wait warm", "start cold", "wait warm", "wait cold", "start warm", "start cold"]
+    header = FrameHeader(plan=1, version=1, index=0, nbytes=4)  # asyncsync's receivers get a frame header first
+    groups.wait(groups.broadcast_async(torch.zeros(1), None, header))
+    groups.broadcast_async(torch.zeros(1), None, header)
+    assert events == ["start warm", "start warm", "wait warm", "wait warm", "start cold",
+                      "wait warm", "wait warm", "wait cold", "start warm", "start warm", "start cold"]
     runtime.close()
 
 

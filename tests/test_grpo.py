@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -115,6 +116,35 @@ def test_cli_runs_and_stops_its_servers():
     assert out.returncode == 0, out.stderr
     assert "[async] 3 steps" in out.stdout
     assert _gone(_pids(out.stderr))
+
+
+def test_cli_compares_in_both_regimes_and_says_what_the_figures_mean(tmp_path):
+    """``--compare --regimes host,link``: one line per mode and one per regime; the link regime runs
+    in a shaped namespace where this machine allows it (else says so and uses plain loopback), with
+    the collective; ``--quiet`` prints figures only; ``--json`` holds the same figures."""
+    import json
+
+    out_json = tmp_path / "figures.json"
+    out = subprocess.run([*_cli(*FAST, "link_gbit=8", "--compare", "--regimes", "host,link", "--quiet", "--json",
+                                str(out_json))], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("host: async vs blocking ") for line in lines), out.stdout
+    assert any(line.startswith("link") and ": async vs blocking " in line for line in lines), out.stdout
+    assert "Loading weights" not in out.stderr and "FutureWarning" not in out.stderr, out.stderr[-2000:]
+    figures = json.loads(out_json.read_text())["regimes"]
+    assert [r["regime"].split()[0] for r in figures] == ["host", "link"]
+    for regime in figures:
+        assert [m["mode"] for m in regime["modes"]] == ["blocking", "async"]
+        assert regime["ratio"] > 0 and 0 <= regime["sync_share_blocking"] < 1
+        assert all(len(m["rewards"]) == 3 for m in regime["modes"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_servers_without_the_extra_say_how_to_install_it():
+    out = subprocess.run(_cli(*FAST, "server_kind=vllm"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert "EXTRAS=vllm bash scripts/setup.sh" in out.stderr
 
 
 def test_cli_bad_override_exits_2_with_the_key():

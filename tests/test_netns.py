@@ -1,4 +1,4 @@
-"""benchmarks.netns: commands run in a private network namespace whose loopback is a shaped link.
+"""asyncsync.netns: commands run in a private network namespace whose loopback is a shaped link.
 
 Where such a namespace cannot be made (no root and no user namespaces, no ``tc``, a kernel without
 netem for the delay) the tests that need one are skipped with the helper's own reason; what the
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import netns
-from benchmarks.netns import Link
+from asyncsync import netns
+from asyncsync.netns import Link
 
 STREAM_BYTES = 24 << 20
 # Streams STREAM_BYTES over one TCP connection on 127.0.0.1 and prints the bytes/s it got.
@@ -62,7 +62,7 @@ def run_inside(link: Link, code: str, tmp_path: Path) -> float:
     if why is not None:
         pytest.skip(f"cannot emulate a {link.describe()} link here: {why}")
     out = tmp_path / "out.txt"
-    done = netns.run(link, ["sh", "-c", f'"$0" -c "$1" > "$2"', sys.executable, code, str(out)], timeout_s=60)
+    done = netns.run(link, ["sh", "-c", '"$0" -c "$1" > "$2"', sys.executable, code, str(out)], timeout_s=60)
     assert done.skipped is None and done.returncode == 0, done
     return float(out.read_text())
 

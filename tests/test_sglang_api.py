@@ -95,9 +95,10 @@ def test_sessionless_server_answers_as_sglang_0_5_20():
 
 
 def test_refused_versions_leave_the_old_weights_serving():
-    """Refusals after the broadcast (an unknown tensor, a wrong shape) leave the served weights and
-    version alone. A bucket mixing bf16 and fp32 is no refusal: SGLang 0.5.20+ reads flattened
-    buckets as bytes (asyncsync still sends one dtype per bucket, which every release reads)."""
+    """Refusals leave the served weights and version alone: a tensor the model does not have before
+    its broadcast (nothing is allocated for it), a wrong shape after it. A bucket mixing bf16 and fp32
+    is no refusal: SGLang 0.5.20+ reads flattened buckets as bytes (asyncsync still sends one dtype
+    per bucket, which every release reads)."""
     with ThreadedServer(ReferenceServer(mixed_dtype_model(TINY))) as server:
         trainer = Trainer(sglang_config(server.url, bucket_bytes=1))
         try:
@@ -109,7 +110,8 @@ def test_refused_versions_leave_the_old_weights_serving():
 
             unknown = {**weights(model, 3), "no.such.tensor": torch.zeros(3)}
             result = trainer.publish(unknown, 3)[server.url]
-            assert "unknown tensor 'no.such.tensor'" in str(result) and "Failed to update parameter online" in str(result)
+            assert "1 tensor(s) sent that it does not load, e.g. 'no.such.tensor'" in str(result)
+            assert "Failed to receive weights" in str(result)
             reshaped = {**weights(model, 4), "lm_head.weight": torch.zeros(3, 5)}
             result = trainer.publish(reshaped, 4)[server.url]
             assert "'lm_head.weight': got torch.float32 (3, 5)" in str(result)

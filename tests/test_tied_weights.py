@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncsync import WeightSync
+from asyncsync.config import ConfigError
 from asyncsync.models import build_model, generate
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.trainer.source import LayoutChanged, TiedNames
@@ -87,14 +88,13 @@ def test_a_tensor_no_server_expects_is_still_refused_by_the_server():
             sync.connect(trainer)
             with pytest.raises(LayoutChanged, match="'lm_head.weight' was not in the plan"):
                 sync.publish({**detached(trainer), "lm_head.weight": torch.zeros(3)}, 1)
-        # Connected with a mapping that names an unknown tensor: it is sent, and the server refuses it.
+        # Connected with a mapping that names an unknown tensor: the server says at connect it would
+        # refuse every version, naming both (a mapping declares no tie, so lm_head is sent too).
         unknown = {**detached(trainer), "model.no_such.weight": torch.zeros(4)}
         with WeightSync.from_config(cfg) as sync:
-            sync.connect(unknown)
-            result = sync.publish(unknown, 1)
-        assert result.server_versions == {}
-        assert "unknown tensor 'model.no_such.weight'" in result.failures[server.url]
-        assert "unknown tensor 'lm_head.weight'" in result.failures[server.url], "no declaration: sent, and refused"
+            with pytest.raises(ConfigError, match="would refuse every version") as refused:
+                sync.connect(unknown)
+        assert "2 tensor(s) sent that it does not load, e.g. 'lm_head.weight', 'model.no_such.weight'" in str(refused.value)
         assert server.server.receiver.version == 0
 
 

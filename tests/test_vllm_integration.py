@@ -10,10 +10,13 @@ with tied word embeddings, one server per model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import glob
 import json
+import math
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -23,12 +26,18 @@ import pytest
 import torch
 
 from asyncsync import WeightSync
-from asyncsync.config import ServerConfig, WeightSyncConfig
+from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
-from asyncsync.engines.base import Generation
+from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.engines.vllm import VllmEngine
 from asyncsync.metrics import SyncResult
 from asyncsync.models import ModelConfig, build_model, generate
+from asyncsync.protocol.frames import VersionFrames
+from asyncsync.protocol.group import free_port
+from asyncsync.protocol.specs import distinct_tensors
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest
 from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.testing import RogueTrainer, http_call
 from asyncsync.transport.send import BucketSource
 
 from helpers import HoldAt, Trainer
@@ -131,12 +140,18 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
     # A version naming a tensor the checkpoint lacks is refused before vLLM loads anything. Received in
     # the background, it is refused by /finish_weight_update, which leaves vLLM's update session open:
     # the client ends it, so the next version (received inside the RPC this time) goes through.
+    # The trainer learns it at connect (the worker judges the plan); the receive path's own refusal is
+    # checked by a client that skips that check, as one that cannot make it would.
     bad = {**original, "model.layers.0.no_such.weight": torch.zeros(4)}
     with WeightSync.from_config(cfg) as sync:
+        with pytest.raises(ConfigError, match="sent that it does not load, e.g. 'model.layers.0.no_such.weight'"):
+            sync.connect(bad)
+    with pytest.MonkeyPatch.context() as patch, WeightSync.from_config(cfg) as sync:
+        patch.setattr(VllmEngine, "check_layout", EngineClient.check_layout)
         sync.connect(bad)
         refused = sync.publish(bad, 5)
     assert refused.server_versions == {}
-    assert "unknown tensor 'model.layers.0.no_such.weight'" in refused.failures[url]
+    assert "sent that it does not load, e.g. 'model.layers.0.no_such.weight'" in refused.failures[url]
     assert weight_version(url) == "4"
     assert greedy(url) == (tokens0, 4), "a refused version leaves the served weights untouched"
     # An update session left open (a trainer that died after /start_weight_update) is ended by the next.
@@ -148,6 +163,81 @@ def test_vllm_serves_each_synced_version_as_the_trainer_decodes_it_and_refuses_a
     assert result.server_versions == {url: 5}, result.failures
     assert greedy(url) == (seen[-1], 5)
     urllib.request.urlopen(url + "/health", timeout=5).close()
+
+
+def test_hostile_inputs_through_vllms_routes_are_refused_and_vllm_serves_on(vllm_server):
+    """A representative handful of the bad inputs ``benchmarks/fuzz.py`` sends the reference server,
+    through vLLM's own weight-transfer routes to asyncsync's backend (the same parsers and staging):
+    messages that do not validate, a rendezvous peer that never answers, and a rogue trainer in the
+    group announcing a tensor the checkpoint lacks, a petabyte, or broadcasting a bucket longer than
+    announced. Each is answered with an error (never a worker that dies), by its deadline; vLLM keeps
+    serving the same tokens and version, and then takes a valid version and decodes as the trainer."""
+    server, model_cfg = vllm_server
+    url = server.url
+    tokens, served = greedy(url)
+    version = weight_version(url)
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "hostile", "gloo", 5.0)
+    good_init = InitGroupRequest(spec, 1).to_json()
+    answers: dict[str, tuple[int, float]] = {}
+
+    def post(what: str, path: str, body: object) -> None:
+        start = time.monotonic()
+        status, _ = http_call(url, "POST", path, body, timeout_s=120)
+        answers[what] = (status, time.monotonic() - start)
+
+    old = {k: v for k, v in good_init.items() if k != "protocol"}
+    post("init: no protocol (an older trainer)", "/init_weight_transfer_engine", {"init_info": old})
+    post("init: NaN timeout", "/init_weight_transfer_engine",
+         {"init_info": {**good_init, "group": {**good_init["group"], "timeout_s": float("nan")}}})
+    post("init: a lone surrogate in the group name", "/init_weight_transfer_engine",
+         {"init_info": {**good_init, "group": {**good_init["group"], "group_name": "g\ud800"}}})
+    with contextlib.closing(socket.create_server(("127.0.0.1", 0))) as silent:  # accepts, never answers
+        quiet = {**good_init, "group": {**good_init["group"], "port": silent.getsockname()[1], "timeout_s": 2.0}}
+        post("init: a rendezvous peer that never answers", "/init_weight_transfer_engine", {"init_info": quiet})
+    trainer = build_model(model_cfg)
+    named = distinct_tensors(trainer.state_dict())
+    rogue = RogueTrainer(url, vllm=True)
+    try:
+        request, flat = rogue.version(named, served + 1)
+        for what, body in {
+            "update: an infinite deadline": {**request.to_json(), "deadlines_s": [float("inf")] * len(flat)},
+            "update: shared memory off the alignment": {**request.to_json(), "shm": {
+                "segment": "asyncsync-1-ab-0", "offsets": [3] * len(flat), "crcs": [], "host": {"boot_id": "x", "shm_dev": 1}}},
+        }.items():
+            start = time.monotonic()
+            answers[what] = (rogue.update(body)[0], time.monotonic() - start)
+        frames = VersionFrames.of(request)
+        longer = torch.cat([flat[0], torch.zeros(4096, dtype=torch.uint8)])
+        status, _, failed, took = rogue.send(request, [(frames.header(0, longer), longer)])
+        answers["rogue: a bucket 4,096 bytes longer than announced"] = (status, took)
+        assert failed is not None, "the rogue's broadcast fails once vLLM's worker leaves the group"
+    finally:
+        rogue.close()
+    for what, lie in {"rogue: a tensor the checkpoint lacks": ("model.no_such.weight", (4,)),
+                      "rogue: a petabyte": (next(iter(named)), (2**48,))}.items():
+        rogue = RogueTrainer(url, vllm=True)
+        try:
+            request, _ = rogue.version(named, served + 1)
+            name, shape = lie
+            meta = BucketMeta((name,), ("float32",), (shape,), 4 * math.prod(shape))
+            status, _, _, took = rogue.send(dataclasses.replace(request, buckets=(meta,), deadlines_s=(5.0,)), [])
+            answers[what] = (status, took)
+        finally:
+            rogue.close()
+    print("\n".join(f"{status} in {took:.2f}s: {what}" for what, (status, took) in answers.items()))
+    assert all(status >= 400 for status, _ in answers.values()), answers
+    assert all(took < 10.0 for _, took in answers.values()), f"an answer waited past its deadline: {answers}"
+    urllib.request.urlopen(url + "/health", timeout=5).close()
+    assert (greedy(url), weight_version(url)) == ((tokens, served), version), "vLLM's weights changed"
+
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.5)
+    with WeightSync.from_config({"servers": [{"url": url, "kind": "vllm"}], "bucket_bytes": "1MiB"}) as sync:
+        sync.connect(trainer)
+        result = sync.publish(trainer, served + 1)
+    assert result.server_versions == {url: served + 1}, result.failures
+    assert greedy(url) == (generate(trainer, PROMPT, 16)[0], served + 1)
 
 
 def test_vllm_on_the_trainers_host_maps_each_version_from_shared_memory(vllm_server):

@@ -46,4 +46,4 @@ def engine_class(kind: str) -> type[EngineClient]:
 def make_engine(server: ServerConfig, timeout_s: float, session: str | None = None) -> EngineClient:
     """A client for ``server``, of the class registered for its kind; ``timeout_s`` bounds each HTTP
     call; ``session`` is the trainer session it speaks for (None: a client that only reads, e.g. rollouts)."""
-    return engine_class(server.kind)(server, timeout_s, session)
+    return engine_class(server.kind).for_server(server, timeout_s, session)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import GroupSpec, UpdateRequest
+from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,13 @@ class DataPlaneProtocol:
     single_dtype_buckets: bool  # every bucket must hold tensors of one dtype
     multi_group: bool = False   # a server can join several groups, one per owning trainer rank
     shared_memory: bool = False  # a same-host server can map a version instead (``UpdateRequest.shm``)
+    framed: bool = False        # every payload follows its frame header (``protocol.frames``)
     deltas: bool = False  # a bucket may come as a delta against the committed version (``UpdateRequest.delta``)
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
 ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
-                                       multi_group=True, shared_memory=True, deltas=True)
+                                       multi_group=True, shared_memory=True, framed=True, deltas=True)
 
 
 class EngineClient(ABC):
@@ -68,6 +70,7 @@ class EngineClient(ABC):
         await client.init_group(spec, rank_offset)    # answered once the server's ranks joined (not
                                                       # for a server on shared memory)
         names = await client.expected_names()         # at connect: the tensor names it loads, or None
+        refusal = await client.check_layout(check)    # at connect: None, or why it would refuse the plan
         for version in versions:
             await client.begin(version)
             await client.update(request)              # answered after the server received the buckets
@@ -80,6 +83,13 @@ class EngineClient(ABC):
         gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
         await client.release()                        # the server may serve another trainer now
         await client.close()
+
+    With ``lora: adapter`` (``protocol/lora.py``) connect also asks ``check_adapter`` and
+    ``serves_base`` (the base is then sent once, as a version, where it is not served), and each
+    version is ``begin_adapter`` / ``update_adapter`` / ``end_adapter`` (the receiver verified the
+    adapter and wrote its PEFT directory), then, off every trainer collective (``transport/adapters.py``),
+    ``load_adapter`` under ``<name>-v<N>`` and ``unload_adapter`` of versions past the staleness bound.
+    ``adapter_versions`` lists the versions the engine serves; ``generate(..., adapter=)`` names one.
 
     ``update`` is sent before the broadcast starts and awaited after it, so no collective ever waits
     on an HTTP answer. Every call raises ``ServerError`` naming the server on failure. Engine policies
@@ -102,6 +112,11 @@ class EngineClient(ABC):
         # Seconds the server held generation to switch to the version of the last successful ``end``
         # (reported by the server or timed by the client), None where neither can tell.
         self.last_switch_s: float | None = None
+
+    @classmethod
+    def for_server(cls, server: ServerConfig, timeout_s: float, session: str | None = None) -> EngineClient:
+        """The client of ``server`` (a kind may pick a class by the server's settings)."""
+        return cls(server, timeout_s, session)
 
     @property
     def url(self) -> str:
@@ -147,6 +162,13 @@ class EngineClient(ABC):
         from the model, which stores a tied weight once (``trainer.source.TiedNames``)."""
         return None
 
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        """At ``connect``: the server's refusal of a plan sending ``check.specs`` (``LAYOUT_REFUSED``
+        and the differences), or None when it loads exactly those tensors or cannot tell (the
+        default: such a server refuses a mismatched version when it arrives)."""
+        log.info("%s cannot check the trainer's tensors before the first version (a %s server)", self.url, self.kind)
+        return None
+
     @abstractmethod
     async def begin(self, version: int) -> None: ...
 
@@ -173,8 +195,50 @@ class EngineClient(ABC):
     async def version(self) -> int: ...
 
     @abstractmethod
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS)."""
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS), with
+        the adapter version named ``adapter`` (``<name>-v<N>``: the rollout's version is N), or the
+        weights the server serves."""
+
+    # -- lora: adapter ----------------------------------------------------------------------------
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        """At ``connect``: None when the server can serve ``check``'s adapter on its base, with
+        ``check.loaded`` versions loaded at once; else why not and what to change (the flag to set).
+        Engines without adapter support keep this default refusal."""
+        return f"a {self.kind} server cannot load LoRA adapters at run time: use lora: merged"
+
+    async def serves_base(self, check: BaseCheck) -> bool | None:
+        """At ``connect``: whether the server serves exactly ``check``'s base tensors (False: it is
+        sent the base once); None where it cannot tell and cannot be sent one either (it is assumed to)."""
+        return None
+
+    async def begin_adapter(self, version: int) -> None:
+        """Prepare to receive adapter version ``version`` (nothing to pause: no weights change)."""
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        """Like ``update``, for an adapter version: answered after the receiver verified it (or at
+        once: ``receives_in_background``)."""
+        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
+
+    async def end_adapter(self, version: int) -> None:
+        """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``)."""
+        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
+
+    # vLLM's routes (the reference server takes them too): POST /v1/load_lora_adapter {lora_name, lora_path},
+    # /v1/unload_lora_adapter {lora_name}; GET /v1/models lists every adapter loaded by name.
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        """Load the PEFT directory ``path`` into the engine as ``name``, through the engine's own API."""
+        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def adapter_versions(self, name: str) -> list[int]:
+        """The versions of adapter ``name`` the engine serves (as ``<name>-v<N>``)."""
+        return served_versions(await self.http.get("/v1/models"), name)
 
     async def health(self) -> None:
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""
@@ -200,3 +264,11 @@ def parse_weight_version(url: str, value: Any) -> int:
     except (TypeError, ValueError):
         raise ServerError(url, f"reports weight version {value!r}, which asyncsync did not set: "
                                "versions set by asyncsync are integers") from None
+
+
+def served_versions(models: Any, name: str) -> list[int]:
+    """The versions of adapter ``name`` in an OpenAI-style model list (``GET /v1/models``: vLLM,
+    SGLang and the reference server list every loaded adapter by its name)."""
+    data = models.get("data", []) if isinstance(models, dict) else []
+    found = (parse_version_name(str(m.get("id", "")), name) for m in data if isinstance(m, dict))
+    return sorted(v for v in found if v is not None)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.engines.base import EngineClient, Generation
+from asyncsync.engines.base import EngineClient, Generation, UnsupportedServer
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import ClaimRequest, GroupSpec, InitGroupRequest, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import (
+    PROTOCOL_VERSION, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
+)
 from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -18,7 +21,16 @@ class ReferenceEngine(EngineClient):
     kind = "reference"
 
     async def world_size(self) -> int:
-        return int((await self.http.get("/world_size"))["world_size"])
+        """The server's data-plane ranks; ``UnsupportedServer`` when it speaks another data-plane
+        protocol (``PROTOCOL_VERSION``; an older server sends none): its receives would not match
+        this trainer's broadcasts, so it is never put in a group."""
+        out = await self.http.get("/world_size")
+        protocol = out.get("protocol", 1)
+        if protocol != PROTOCOL_VERSION:
+            raise UnsupportedServer(self.url, f"speaks asyncsync data-plane protocol {protocol}, this trainer "
+                                              f"{PROTOCOL_VERSION}: run the same asyncsync release on the trainer and "
+                                              "its servers")
+        return int(out["world_size"])
 
     async def claim(self, takeover: bool) -> None:
         assert self.session is not None, "a client that claims a server speaks for a trainer session"
@@ -46,6 +58,14 @@ class ReferenceEngine(EngineClient):
     async def expected_names(self) -> frozenset[str]:
         return frozenset((await self.http.get("/weights/names"))["names"])
 
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        try:
+            return await self._refusal("/check_layout", check.to_json())
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            return await super().check_layout(check)  # an older server: it refuses a mismatched version when it arrives
+
     async def begin(self, version: int) -> None:
         """Nothing to prepare: the server judges a version in ``/update`` and swaps it in at ``/end``
         (its ``/begin`` route only validates), so no round trip delays the first bucket's receive."""
@@ -67,7 +87,35 @@ class ReferenceEngine(EngineClient):
     async def version(self) -> int:
         return int((await self.http.get("/version"))["version"])
 
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
-        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        body = {"prompt": prompt, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+                "adapter": adapter}
         out = await self.http.post("/generate", body)
         return Generation(out["completions"], int(out["weight_version"]))
+
+    # -- lora: adapter (receivers/reference/adapters.py) --------------------------------------------
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        return await self._refusal("/check_adapter", check.to_json())
+
+    async def serves_base(self, check: BaseCheck) -> bool:
+        return await self._refusal("/check_base", check.to_json()) is None
+
+    async def _refusal(self, path: str, body: dict[str, object]) -> str | None:
+        """None when the server accepts ``body`` at ``path``, its reason when it refuses (409)."""
+        try:
+            await self.http.post(path, body)
+        except ServerError as e:
+            if e.status != 409:
+                raise
+            return str(e.detail)
+        return None
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        await self.http.post("/update_adapter", update.to_json())
+
+    async def end_adapter(self, version: int) -> None:
+        await self.http.post("/end_adapter", VersionRequest(version).to_json())
+
+

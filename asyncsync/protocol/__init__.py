@@ -10,6 +10,7 @@ prometheus_client, the sync worker)::
     sglang     SGLang's weight-update messages and its flattened-bucket layout
     checksum   CRC32C of a bucket, on the host or on the buffer's own device
     group      DataPlaneGroup: join the trainer's process group (gloo or NCCL) and receive broadcasts
+    frames     FrameHeader: the fixed-size header that agrees each payload's length before it moves
     staging    BucketStager: receive a version into flat buffers and verify it before anything is applied
 
 Import the submodules directly; this ``__init__`` imports none of them.

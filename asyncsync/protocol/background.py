@@ -45,13 +45,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 
@@ -125,16 +126,18 @@ class BackgroundReceive:
         self.cancel()
         self._spawn(self.stager.join, specs, rank).result()
 
-    def start(self, request: UpdateRequest, served_version: int) -> None:
-        """Start receiving ``request``'s buckets; returns at once. Raises ``VersionRejected`` when a
-        version is already in flight or an earlier, dropped receive is still running."""
+    def start(self, request: UpdateRequest, served_version: int,
+              carrying: Mapping[str, TensorSpec] | None = None) -> None:
+        """Start receiving ``request``'s buckets (checked against ``carrying``, default the stager's tensors);
+        returns at once. Raises ``VersionRejected`` when a version is already in flight or an
+        earlier, dropped receive is still running."""
         if self._pending is not None:
             raise VersionRejected(f"version {request.version} rejected: version {self.version} is still being "
                                   "received in the background; finish or discard it first")
         if self._last is not None and not self._last.done():
             raise VersionRejected(f"version {request.version} rejected: a discarded receive is still waiting for "
                                   "its data (until its deadline); send the version again after it")
-        self._pending = self._last = self._spawn(self._receive, request, served_version, self._released)
+        self._pending = self._last = self._spawn(self._receive, request, served_version, self._released, carrying)
         self.version = request.version
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -153,10 +156,11 @@ class BackgroundReceive:
         threading.Thread(target=run, name="asyncsync-receive", daemon=True).start()
         return future
 
-    def _receive(self, request: UpdateRequest, served_version: int, released: Any) -> tuple[StagedVersion, Any]:
+    def _receive(self, request: UpdateRequest, served_version: int, released: Any,
+                 carrying: Mapping[str, TensorSpec] | None) -> tuple[StagedVersion, Any]:
         if released is not None:
             self.runtime.wait_event(released)  # the last apply has read the buffers by then
-        staged = self.stager.receive(request, served_version)
+        staged = self.stager.receive(request, served_version, carrying)
         if self._verify is not None:
             self._verify(staged)
         return staged, self.runtime.record()

@@ -11,6 +11,13 @@ asyncsync's own receivers warm every group with one small broadcast right after 
 initialised NCCL communicator deadlocks when its first use comes under memory pressure in the middle
 of a sync. SGLang does not take part in such a broadcast, so its groups are joined with ``warmup=False``.
 
+The rendezvous gives up at the group's ``timeout_s`` however the other side behaves: torch's
+``TCPStore`` client waits without a deadline for a peer that accepts the connection and never
+answers. So a member first checks, with a deadline, that a store answers at the address
+(``_store_answers``), and the rendezvous runs on a thread of its own, which the joining thread
+leaves at the deadline (or when another thread abandons the join: ``Abandoner``), shutting down the
+thread's connections to the store so that it ends too.
+
 What differs between gloo and NCCL (which stream a collective waits on, what a wait blocks, how a
 failed group is torn down, the enqueue lock) is the member's ``Runtime`` (``protocol.device``).
 """
@@ -18,7 +25,13 @@ failed group is torn down, the enqueue lock) is the member's ``Runtime`` (``prot
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +44,10 @@ from asyncsync.protocol.wire import GroupSpec
 log = logging.getLogger(__name__)
 
 _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}  # the device type torch's _new_process_group_helper adds
+RENDEZVOUS_GRACE_S = 1.0  # past timeout_s: torch's own deadlines fire first wherever the peer answers at all
+_POLL_S = 0.05  # how often a joining thread looks whether its join was abandoned
+# What torch's TCPStore client sends first (c10d/TCPStore.cpp, QueryType and validationMagicNumber).
+_STORE_VALIDATE, _STORE_PING, _STORE_MAGIC = 0, 13, 0x3C85F7CE
 
 
 class DataPlaneError(RuntimeError):
@@ -51,6 +68,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Abandoner:
+    """Lets one thread give up the rendezvous another thread is in (a server whose trainer asks for a
+    new group, or releases it, while a join hangs on a silent peer): ``watch()`` when a join starts,
+    ``abandon()`` from anywhere; the join then fails at once with ``DataPlaneError``."""
+
+    def __init__(self) -> None:
+        self._epoch = 0
+
+    def abandon(self) -> None:
+        self._epoch += 1
+
+    def watch(self) -> Callable[[], bool]:
+        """For a join starting now: whether ``abandon`` was called since."""
+        epoch = self._epoch
+        return lambda: self._epoch != epoch
 
 
 class Work:
@@ -83,29 +117,17 @@ class DataPlaneGroup:
         return self.runtime.device
 
     @classmethod
-    def join(cls, spec: GroupSpec, rank: int, runtime: Runtime, warmup: bool = True) -> DataPlaneGroup:
-        """Join as ``rank``; blocks until every rank joined. Every member must agree on ``warmup``.
-        ``runtime`` is the member's device: its data-plane backend must be the group's."""
+    def join(cls, spec: GroupSpec, rank: int, runtime: Runtime, warmup: bool = True,
+             abandoner: Abandoner | None = None) -> DataPlaneGroup:
+        """Join as ``rank``; blocks until every rank joined, and raises ``DataPlaneError`` by
+        ``spec.timeout_s`` (+ ``RENDEZVOUS_GRACE_S``) whatever the peer does, or as soon as
+        ``abandoner`` abandons the join. Every member must agree on ``warmup``. ``runtime`` is the
+        member's device: its data-plane backend must be the group's."""
         if spec.backend != runtime.wire_backend:
             raise DataPlaneError(f"rank {rank}: the group '{spec.group_name}' uses {spec.backend}, but this member's "
                                  f"tensors are on {runtime.device}, which takes {runtime.wire_backend}: put both sides' "
                                  "weights on the same kind of device or set the trainer's backend to match")
-        timeout = timedelta(seconds=spec.timeout_s)
-        try:
-            store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-        except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
-            raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
-        # SGLang's key layout: {name}/{name}//{device}//<key>
-        named = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
-        try:
-            with scoped_env(runtime.group_env):  # the group's error policy, read by its constructor
-                pg = runtime.process_group(PrefixStore(_DEVICE_PREFIX[spec.backend], named), rank, spec.world_size, timeout)
-            pg._set_sequence_number_for_group()  # rank 0 publishes it, the others wait for it: torch does the same
-        except Exception as e:
-            raise DataPlaneError(
-                f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
-                f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
-            ) from e
+        store, pg = _rendezvous(spec, rank, runtime, abandoner.watch() if abandoner else lambda: False)
         group = cls(spec, rank, store, pg, runtime)
         if warmup:
             group.broadcast(torch.zeros(1, dtype=torch.uint8, device=runtime.device))
@@ -155,3 +177,147 @@ class DataPlaneGroup:
             (self.runtime.abort if broken else self.runtime.shutdown)(pg)
         except Exception as e:  # the group is gone either way
             log.debug("closing group %s: %s", self.spec.group_name, e)
+
+
+def _form(spec: GroupSpec, rank: int, runtime: Runtime) -> tuple[TCPStore, Any]:
+    """The rendezvous store and the process group (blocking; ``_rendezvous`` bounds it)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    try:
+        store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
+        raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
+    # SGLang's key layout: {name}/{name}//{device}//<key>
+    named = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
+    try:
+        with scoped_env(runtime.group_env):  # the group's error policy, read by its constructor
+            pg = runtime.process_group(PrefixStore(_DEVICE_PREFIX[spec.backend], named), rank, spec.world_size, timeout)
+        pg._set_sequence_number_for_group()  # rank 0 publishes it, the others wait for it: torch does the same
+    except Exception as e:
+        raise DataPlaneError(
+            f"rank {rank}: could not form the {spec.backend} group '{spec.group_name}' of {spec.world_size} "
+            f"within {spec.timeout_s}s ({e}); check that every server reached {spec.host}:{spec.port}"
+        ) from e
+    return store, pg
+
+
+def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callable[[], bool]) -> tuple[TCPStore, Any]:
+    """``_form`` on a thread of its own, waited for until ``spec.timeout_s`` + ``RENDEZVOUS_GRACE_S``
+    or until ``abandoned()``. A rendezvous given up has its connection to the store shut down, so the
+    thread, blocked in torch on a silent peer, ends too. The thread inherits the caller's CPU
+    priority and cores (and so do the group's own threads)."""
+    before = set(_sockets().values())
+    outcome: list[Any] = []
+    done, stop = threading.Event(), threading.Event()
+    store_ready = time.monotonic() + spec.timeout_s
+
+    def run() -> None:
+        try:
+            runtime.enter_thread()
+            if rank != 0 and not _store_answers(spec, store_ready, stop) or stop.is_set():
+                return  # given up: the joining thread has said why
+            outcome.append(_form(spec, rank, runtime))
+        except BaseException as e:  # handed to the joining thread
+            outcome.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="asyncsync-rendezvous", daemon=True).start()
+    give_up = time.monotonic() + spec.timeout_s + RENDEZVOUS_GRACE_S
+    while not done.wait(_POLL_S):
+        why = ("was abandoned (a newer join or a release)" if abandoned() else
+               f"got no answer within {spec.timeout_s:g}s" if time.monotonic() > give_up else None)
+        if why is not None:
+            stop.set()
+            shut = _shut_new_connections(spec.port, before)
+            # The rendezvous thread may connect only after this sweep (a store that answered the probe
+            # and then fell silent), and torch's client retries a broken connection until the group's
+            # timeout: until the thread ends, its connections keep being shut.
+            threading.Thread(target=_reap, args=(spec.port, before, done, time.monotonic() + spec.timeout_s + 1),
+                             name="asyncsync-rendezvous-reaper", daemon=True).start()
+            log.warning("rank %d: rendezvous at %s:%d %s; %d connection(s) shut", rank, spec.host, spec.port, why, shut)
+            raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} {why}: is the trainer's "
+                                 "rendezvous store listening there?")
+    if not outcome:
+        raise DataPlaneError(f"rank {rank}: no rendezvous store answered at {spec.host}:{spec.port} within "
+                             f"{spec.timeout_s:g}s: is the trainer's store listening there?")
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _store_answers(spec: GroupSpec, until: float, stop: threading.Event) -> bool:
+    """Wait until a rendezvous store answers at ``spec``'s address (its connection closed at once),
+    or until ``until`` or ``stop``: False then. torch's client waits without a deadline for a peer
+    that accepts and never answers, and retries a refused or broken connection on its own until the
+    group's timeout, in a loop nothing can end early; this probe ends within ``_POLL_S`` of ``stop``.
+    It sends what torch's client sends first (c10d's TCPStore, torch 2.13: a validate message with
+    its magic number, then a ping the store answers with its nonce): every group the tests form
+    runs it against torch's own store, so a torch whose store spoke otherwise would fail them all."""
+    nonce = secrets.randbits(32)
+    hello = struct.pack("<BIBI", _STORE_VALIDATE, _STORE_MAGIC, _STORE_PING, nonce)
+    while not stop.is_set() and time.monotonic() < until:
+        try:
+            with socket.create_connection((spec.host, spec.port), timeout=max(_POLL_S, min(1.0, until - time.monotonic()))) as s:
+                s.sendall(hello)
+                s.settimeout(_POLL_S)
+                reply = b""
+                while len(reply) < 4 and not stop.is_set() and time.monotonic() < until:
+                    try:
+                        chunk = s.recv(4 - len(reply))
+                    except TimeoutError:
+                        continue
+                    if not chunk:
+                        break
+                    reply += chunk
+                if reply == struct.pack("<I", nonce):
+                    return True
+        except OSError:  # refused (not listening yet), unreachable, reset, no such host: again
+            pass
+        stop.wait(_POLL_S)
+    return False
+
+
+def _reap(port: int, before: set[str], done: threading.Event, until: float) -> None:
+    """Shut the given-up rendezvous thread's connections to ``port`` until it ended (``done``), or
+    until ``until``, past which torch's client stops retrying."""
+    while not done.wait(_POLL_S) and time.monotonic() < until:
+        _shut_new_connections(port, before)
+
+
+def _sockets() -> dict[int, str]:
+    """This process's sockets: file descriptor -> its inode (``socket:[n]``, unique while the socket
+    lives, unlike descriptor numbers, which are reused at once). Empty where /proc cannot be read."""
+    found = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:"):
+            found[int(fd)] = target
+    return found
+
+
+def _shut_new_connections(port: int, before: set[str]) -> int:
+    """Shut down (both ways) this process's TCP connections to remote ``port`` that are not among the
+    sockets ``before``: a rendezvous thread blocked reading from its store then returns with an error.
+    Returns how many were shut; 0 where sockets cannot be listed (the thread then ends whenever the
+    peer closes, and only its socket is held meanwhile)."""
+    shut = 0
+    for fd, inode in _sockets().items():
+        if inode in before:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:  # closing the duplicate leaves ``fd`` open
+                if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
+                        and s.getpeername()[1] == port:
+                    s.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except OSError:  # closed meanwhile, or not connected
+            continue
+    return shut

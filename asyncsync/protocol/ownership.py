@@ -46,7 +46,8 @@ def local_pid(session: str) -> int | None:
     """The pid of a trainer session (``host:pid:random``) that runs on this host, else None: a
     same-host trainer that syncs through shared memory forms no group whose store could be probed."""
     parts = session.split(":")
-    if len(parts) == 3 and parts[0] == socket.gethostname() and parts[1].isdigit():
+    if len(parts) == 3 and parts[0] == socket.gethostname() and parts[1].isascii() and parts[1].isdigit() \
+            and len(parts[1]) <= 7:  # Linux pids stay below 2**22
         return int(parts[1])
     return None
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError, shown
 
 SGLANG_RELEASE = "0.5.23"
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -44,6 +44,7 @@ FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"  # after i
 UPDATED = "Succeeded to update parameter online."
 GROUP_CREATED = "Succeeded to initialize custom process group."
 GROUP_DESTROYED = "Succeeded to destroy custom process group."
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # tokenizer_control_mixin.py
 NO_GROUP_TO_DESTROY = "The group to be destroyed does not exist."
 ANSWERS_AFTER_RECEIVE = (LOAD_FAILED, FLUSH_REFUSED)
 
@@ -72,13 +73,30 @@ def group_missing(group_name: str, known: list[str]) -> str:
 
 # -- validation as SGLang's HTTP layer does it ----------------------------------------------------
 
+MAX_LISTED_ERRORS = 10  # a message lists this many problems, then how many more there are
+
+
+class _Quoted:
+    """An input value in an error message: at most ``ECHO_CHARS`` of it (SGLang quotes it whole)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return shown(self.value)
+
+
 class RequestInvalid(WireError):
     """A body SGLang's request schema refuses: answered 400 ``{"object": "error", ...}`` before the
-    scheduler sees it. ``errors`` lists each problem as pydantic reports it."""
+    scheduler sees it. ``errors`` lists each problem as pydantic reports it; the message quotes each
+    input short (``wire.shown``) and lists the first ``MAX_LISTED_ERRORS``."""
 
     def __init__(self, errors: list[dict[str, Any]]):
         n = len(errors)
-        super().__init__(f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {e}" for e in errors))
+        listed = [f"  {({**e, 'input': _Quoted(e['input'])} if 'input' in e else e)}" for e in errors[:MAX_LISTED_ERRORS]]
+        if n > MAX_LISTED_ERRORS:
+            listed.append(f"  ... and {n - MAX_LISTED_ERRORS} more")
+        super().__init__(f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(listed))
         self.errors = errors
 
 
@@ -231,6 +249,27 @@ class ContinueGeneration(SglangRequest):
 
     STRUCT = "ContinueGenerationReqInput"
     torch_empty_cache: bool = True
+
+
+@dataclass(frozen=True)
+class LoadLoraAdapter(SglangRequest):
+    """``POST /load_lora_adapter``: load the PEFT directory ``lora_path`` (on the server's host) as
+    adapter ``lora_name``; answered ``{"success", "error_message", "loaded_adapters"}``, 400 on failure."""
+
+    STRUCT = "LoadLoRAAdapterReqInput"
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter(SglangRequest):
+    """``POST /unload_lora_adapter``: drop adapter ``lora_name`` (requests using it finish first)."""
+
+    STRUCT = "UnloadLoRAAdapterReqInput"
+    lora_name: str
+    lora_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ every sync (a cached tensor reference goes stale when a parameter object is repl
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -114,9 +115,15 @@ class BucketPlan:
     powers of two) with no padding: the layout SGLang's ``flattened_bucket`` also requires.
     With ``single_dtype`` (SGLang's receivers need it) tensors are grouped by dtype first, keeping
     the model's order within a dtype, and no bucket holds two dtypes.
+
+    ``from_groups`` plans tensors that are produced together (a layer's experts, converted from one
+    fused tensor): a group that fits in a bucket is never split across two, so it is produced once
+    per version, for one bucket; a larger one fills buckets tensor by tensor, or, with
+    ``whole_groups``, gets a bucket of its own (a sharded trainer assembles a bucket's groups whole).
     """
 
-    def __init__(self, specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, single_dtype: bool = False):
+    def __init__(self, specs: Iterable[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, single_dtype: bool = False,
+                 group_sizes: Iterable[int] | None = None, whole_groups: bool = False):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
@@ -125,24 +132,44 @@ class BucketPlan:
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
             raise ValueError("tensor names must be unique within a plan")
-        self.buckets: tuple[Bucket, ...] = tuple(self._build())
+        sizes = [1] * len(self.specs) if group_sizes is None else list(group_sizes)
+        if sum(sizes) != len(self.specs) or any(n < 1 for n in sizes):
+            raise ValueError("group_sizes must split the specs into non-empty groups")
+        self.buckets: tuple[Bucket, ...] = tuple(self._build(sizes, whole_groups))
+
+    @classmethod
+    def from_groups(cls, groups: Iterable[Iterable[TensorSpec]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    single_dtype: bool = False, whole_groups: bool = False) -> BucketPlan:
+        listed = [tuple(g) for g in groups]
+        return cls((s for g in listed for s in g), bucket_bytes, single_dtype, [len(g) for g in listed if g], whole_groups)
 
     @classmethod
     def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                      single_dtype: bool = False) -> BucketPlan:
         return cls((TensorSpec.of(n, t) for n, t in named), bucket_bytes, single_dtype)
 
-    def _build(self) -> Iterator[Bucket]:
+    def _build(self, sizes: list[int], whole_groups: bool) -> Iterator[Bucket]:
         groups: list[list[TensorSpec]] = []
         current: list[TensorSpec] = []
         used = 0
-        specs = sorted(self.specs, key=lambda s: (-s.itemsize, dtype_name(s.dtype))) if self.single_dtype else self.specs
-        for spec in specs:
-            if current and (used + spec.nbytes > self.bucket_bytes or (self.single_dtype and spec.dtype != current[0].dtype)):
-                groups.append(current)
+        if self.single_dtype:
+            units = [[s] for s in sorted(self.specs, key=lambda s: (-s.itemsize, dtype_name(s.dtype)))]
+        else:
+            bounds = [0, *itertools.accumulate(sizes)]
+            units = [list(self.specs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        for unit in units:
+            whole = sum(s.nbytes for s in unit)
+            if current and (whole <= self.bucket_bytes or whole_groups) and used + whole > self.bucket_bytes:
+                groups.append(current)  # a group that fits a bucket starts a new one rather than be split
                 current, used = [], 0
-            current.append(spec)
-            used += spec.nbytes
+            for i, spec in enumerate(unit):
+                full = bool(current) and (used + spec.nbytes > self.bucket_bytes
+                                           or (self.single_dtype and spec.dtype != current[0].dtype))
+                if full and not (whole_groups and i):  # with whole_groups, a group stays together
+                    groups.append(current)
+                    current, used = [], 0
+                current.append(spec)
+                used += spec.nbytes
         if current:
             groups.append(current)
         for index, group in enumerate(groups):
@@ -177,6 +204,30 @@ class BucketPlan:
     def matches(self, named: Mapping[str, torch.Tensor]) -> bool:
         """True when ``named`` has exactly this plan's names, dtypes and shapes (the plan is reusable)."""
         return self.mismatch(named) is None
+
+
+# Every refusal of a version for its layout (names, dtypes, shapes) says this: the same plan would be
+# refused again at every version, so the trainer reports it as an error rather than a transient refusal.
+LAYOUT_REFUSED = "the tensors sent differ from the ones this server loads"
+
+
+def layout_mismatch(loads: Mapping[str, TensorSpec], sent: Iterable[TensorSpec], shown: int = 3,
+                    part: bool = False) -> str | None:
+    """None when ``sent`` is exactly the tensors a server ``loads`` (names, dtypes, shapes, each once);
+    else ``LAYOUT_REFUSED`` and the first few differences on both sides, counted, summaries first.
+    ``part``: ``sent`` is a part of a version (a bucket): what it lacks is not a difference."""
+    seen: dict[str, TensorSpec] = {}
+    twice: list[str] = []
+    for spec in sent:
+        (twice.append(spec.name) if spec.name in seen else seen.__setitem__(spec.name, spec))
+    unknown = [n for n in seen if n not in loads]
+    missing = [] if part else [n for n in loads if n not in seen]
+    other = [f"'{n}' {seen[n].dtype} {seen[n].shape} (loads {w.dtype} {w.shape})" for n, w in loads.items()
+             if n in seen and (w.dtype, w.shape) != (seen[n].dtype, seen[n].shape)]
+    parts = [f"{len(names)} {what}, e.g. {', '.join(f(n) for n in names[:shown])}" for names, what, f in (
+        (missing, "tensor(s) it loads are not sent", repr), (unknown, "tensor(s) sent that it does not load", repr),
+        (other, "tensor(s) with another dtype or shape", str), (twice, "tensor(s) sent twice", repr)) if names]
+    return f"{LAYOUT_REFUSED}: " + "; ".join(parts) if parts else None
 
 
 def byte_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -5,8 +5,15 @@ asyncsync's vLLM engine (which then calls ``model.load_weights`` on views of the
 server's SGLang API (which receives one bucket per request). What differs is only how the verified
 bytes are applied, and that stays with each receiver.
 
-A receiver always takes part in every broadcast it was told about before it judges what arrived,
-so a rejected version never leaves the trainer or the other receivers waiting in a collective.
+Nothing is allocated for a version before its announcement was validated against the served model:
+a version that names a tensor the model does not have, or that would need more than the receiver's
+staging budget (``max_version_bytes``: by default the served model's own size, which is exactly what
+a valid version holds), is refused before any receive is posted, and the receiver leaves its groups
+so that the trainer's broadcasts fail at once instead of waiting for it. Any other version the
+receiver takes part in to the end before it judges what arrived (a wrong shape, a stale version, a
+bad checksum), so such a rejection never leaves the trainer or the other receivers waiting in a
+collective. On the data plane every payload's size is first agreed through a frame header
+(``protocol.frames``): a member that would send more than was announced is refused, not aborted on.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import torch
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.device import HostRuntime, Runtime
-from asyncsync.protocol.group import DataPlaneGroup
+from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
 from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
-from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest, WireError
+from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, TensorSpec, layout_mismatch, unpack
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, LayoutCheck, UpdateRequest, WireError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +39,17 @@ MAX_REPORTED_PROBLEMS = 5
 
 
 class VersionRejected(Exception):
-    """A version was received but not applied; the old weights keep serving. The message says why."""
+    """A version was received but not applied; the old weights keep serving. The message says why;
+    one refused for its layout says ``specs.LAYOUT_REFUSED``: every version of that plan would be."""
+
+
+class BucketRefused(VersionRejected):
+    """A bucket sent one per request (SGLang's protocol) was refused before its broadcast: the
+    receiver took no part in it, so the sender must not wait for this receiver."""
+
+
+class _Unframed(Exception):
+    """A frame header disagreed with the announcement: its payload must not be received."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +104,15 @@ class BucketStager:
     """
 
     def __init__(self, expected: Mapping[str, TensorSpec], join_route: str, runtime: Runtime | None = None,
-                 arena: bool = False):
+                 arena: bool = False, max_version_bytes: int | None = None, abandoner: Abandoner | None = None):
         self.expected = dict(expected)
         self.join_route = join_route  # named in the error when an update arrives before the group
+        # The staging budget: the most bytes one version may make this receiver allocate. A valid
+        # version holds every expected tensor exactly once, so the model's own size is the default;
+        # more can only repeat or invent tensors.
+        self.model_bytes = sum(spec.nbytes for spec in self.expected.values())
+        self.max_version_bytes = self.model_bytes if max_version_bytes is None else max_version_bytes
+        self.abandoner = abandoner  # lets another thread give up a join that hangs on a silent peer
         # Buffers are staged on the receiver's weights' device; its runtime also decides the group's
         # backend (an NCCL group is refused for weights that are not on CUDA).
         self.runtime = runtime or HostRuntime()
@@ -96,8 +120,7 @@ class BucketStager:
         # version is received into views of it (a receiver that copies a version out, like vLLM's,
         # needs no second set): its memory is taken before an engine sizes its caches, not mid-run,
         # and written once, so that an engine sizing them from resident memory (vLLM on CPU) sees it.
-        total = sum(spec.nbytes for spec in self.expected.values())
-        self.arena = torch.zeros(total, dtype=torch.uint8, device=self.runtime.device) if arena else None
+        self.arena = torch.zeros(self.model_bytes, dtype=torch.uint8, device=self.runtime.device) if arena else None
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
@@ -120,7 +143,7 @@ class BucketStager:
         self.close()
         try:
             for spec in specs:
-                self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup))
+                self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup, self.abandoner))
         except BaseException:
             self.close()
             raise
@@ -137,50 +160,83 @@ class BucketStager:
 
     # -- a whole version per request ------------------------------------------------------------
 
-    def receive(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+    def receive(self, req: UpdateRequest, served_version: int,
+                carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """Receive every bucket of ``req`` (and the checksum manifest when ``req.checksum``); raise
-        ``VersionRejected`` after the last broadcast if anything is wrong. With ``req.shm`` the
-        version is mapped from the trainer's shared memory instead (``adopt``): no group is needed."""
+        ``VersionRejected`` after the last broadcast if anything is wrong, or before the first one
+        (leaving the groups) when the version cannot be received at all. With ``req.shm`` the
+        version is mapped from the trainer's shared memory instead (``adopt``): no group is needed.
+        ``carrying``: the tensors this version must carry, when not the receiver's own (an adapter's).
+
+        Each frame's header is received and checked before its payload's receive is posted, and the
+        bucket before it is checksummed while the payload arrives (on the receiver's side gloo runs
+        the receives in order): what is left after the last byte is one bucket's checksum. Each wait
+        returns only once its data has arrived (the group's waits block the host), so nothing is
+        verified, and no answer given, before the data is really in the buffers."""
         if req.shm is not None:
-            return self.adopt(req, served_version)
+            return self.adopt(req, served_version, carrying)
         group = self._require_group()
         self.discard()
-        if req.sources and max(req.sources) >= len(self.groups):
-            raise VersionRejected(f"version {req.version} rejected: it names group {max(req.sources)}, but "
-                                  f"{len(self.groups)} were joined; call {self.join_route} again")
         base = self._committed
-        target = self._set_for(req.buckets)
-        # Deltas land in buffers of their own and are rebuilt into the target once they arrived.
-        payloads = [torch.empty(n, dtype=torch.uint8, device=group.device) if n else None
-                    for n in (req.delta.nbytes if req.delta is not None else [0] * len(req.buckets))]
-        # Every receive is posted first, the manifest's too (it then lands while the last bucket is
-        # checksummed), and what needs no bytes (checks, views) is done while they arrive; gloo runs
-        # the receives in order while earlier buckets are checksummed. Each wait returns only once its
-        # bucket has arrived (the group's waits block the host), so nothing is verified, and no answer
-        # given, before the data is really in the buffers.
-        n = len(req.buckets)
-        landing = [p if p is not None else buf for p, buf in zip(payloads, target.buffers)]
-        works = [(self.groups[req.source(i)], self.groups[req.source(i)].broadcast_async(buf, req.deadline_s(i)))
-                 for i, buf in enumerate(landing)]
-        expected = torch.zeros(n, dtype=torch.int64, device=group.device)
-        manifest = group.broadcast_async(expected, req.deadline_s(n)) if req.checksum else None
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        specs = [s for b in buckets for s in b.specs]
-        problems = self._check_specs(specs, set()) + self._check_complete(list(buckets), req.version, served_version)
+        self._refuse_unreceivable(req, buckets, carrying)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         unusable = _check_base(req, base) if req.delta is not None else []
         problems += unusable
         base = None if unusable else base
+        target = self._set_for(req.buckets)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
+        n = len(req.buckets)
+        # Deltas land in buffers of their own and are rebuilt into the target once they arrived.
+        deltas = [torch.empty(k, dtype=torch.uint8, device=group.device) if k else None
+                  for k in (req.delta.nbytes if req.delta is not None else [0] * n)]
+        payloads = [d if d is not None else buf for d, buf in zip(deltas, target.buffers)]
+        if req.checksum:
+            payloads.append(torch.zeros(n, dtype=torch.int64, device=group.device))
+        frames = VersionFrames.of(req)
         crcs: list[int | torch.Tensor | None] = []
-        for i, (buf, payload, (source, work)) in enumerate(zip(target.buffers, payloads, works)):
-            source.wait(work)
-            if payload is not None:
-                crcs.append(self._rebuild(i, payload, base, buf, buckets[i], problems))
-            elif req.checksum:
-                crcs.append(bucket_crc(buf))  # on a device: computed there, read once at the end
-        if manifest is not None:
-            group.wait(manifest)
-            bad = [i for i, (got, want) in enumerate(zip(crcs, expected.tolist())) if got is not None and int(got) != want]
+        header: tuple[DataPlaneGroup, Work, torch.Tensor] | None = None
+        landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
+        try:
+            header = self._post_header(req, 0)
+            for i, payload in enumerate(payloads):
+                on = self.groups[req.source(i)]
+                problem = frames.mismatch(self._header(*header), i, payload.numel() * payload.element_size())
+                if problem is not None:
+                    if landing is not None:
+                        landing[0].wait(landing[1])
+                    raise _Unframed(problem)
+                work = on.broadcast_async(payload, req.deadline_s(i))
+                if i + 1 < len(payloads):
+                    header = self._post_header(req, i + 1)
+                if landing is not None:
+                    landing[0].wait(landing[1])
+                    if req.checksum:  # on a device: computed there, read once at the end
+                        j = len(crcs)
+                        crcs.append(bucket_crc(payloads[j]) if deltas[j] is None
+                                    else self._rebuild(j, deltas[j], base, target.buffers[j], buckets[j], problems))
+                landing = (on, work)
+            assert landing is not None
+            landing[0].wait(landing[1])
+        except (_Unframed, DataPlaneError) as e:
+            failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
+        else:
+            failed = None
+        if failed is not None:
+            # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
+            # fails at once; after a failed one the group's collectives are out of step. Raised as text,
+            # out of the handler: an exception chained to the failure would keep its works, and with
+            # them the group's sockets, alive.
+            header = landing = work = None  # noqa: F841 - the works, dropped before the group
+            self.close(broken=True)
+            problem, data_plane = failed
+            if data_plane:
+                raise DataPlaneError(problem)
+            raise VersionRejected(f"version {req.version} rejected before its payload: {problem}; left the "
+                                  f"data-plane group (call {self.join_route} again)")
+        if req.checksum:
+            manifest = payloads[n].tolist()
+            bad = [i for i, (got, want) in enumerate(zip(crcs, manifest)) if got is not None and int(got) != want]
             if bad:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")
         _reject_if(problems, req.version)
@@ -198,7 +254,35 @@ class BucketStager:
             problems.append(f"bucket {index}'s delta does not decode: {e}")
             return None
 
-    def adopt(self, req: UpdateRequest, served_version: int) -> StagedVersion:
+    def _post_header(self, req: UpdateRequest, index: int) -> tuple[DataPlaneGroup, Work, torch.Tensor]:
+        """Post the receive of frame ``index``'s header, on the group its payload arrives on. Its
+        deadline covers the previous frame's payload too, which the sender broadcasts before it."""
+        group = self.groups[req.source(index)]
+        deadline = req.deadline_s(index)
+        if deadline is not None and index:
+            deadline += req.deadline_s(index - 1) or 0.0
+        buf = empty_header(group.device)
+        return group, group.broadcast_async(buf, deadline), buf
+
+    @staticmethod
+    def _header(group: DataPlaneGroup, work: Work, buf: torch.Tensor) -> FrameHeader | None:
+        group.wait(work)
+        return FrameHeader.parse(buf)
+
+    def _refuse_unreceivable(self, req: UpdateRequest, buckets: tuple[Bucket, ...],
+                             carrying: Mapping[str, TensorSpec] | None = None) -> None:
+        """Refuse, before any receive is posted or any buffer allocated, a version that names a tensor
+        it must not carry, needs more than the staging budget, or arrives on a group not joined;
+        the groups are left so that the trainer's broadcasts fail at once instead of waiting."""
+        why = self._unstageable(buckets, req.nbytes, whole=True, carrying=carrying)
+        if req.sources and max(req.sources) >= len(self.groups):
+            why.append(f"it names group {max(req.sources)}, but {len(self.groups)} were joined")
+        if why:
+            self.close(broken=True)
+            _reject_if([*why, f"nothing was received; call {self.join_route} again"], req.version)
+
+    def adopt(self, req: UpdateRequest, served_version: int,
+              carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
         """A whole version from the trainer's shared memory (``req.shm``, ``protocol/shm.py``), judged
         as ``receive`` judges one from the wire; raises ``VersionRejected`` if anything is wrong.
 
@@ -214,8 +298,7 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
                                   f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_specs([s for b in buckets for s in b.specs], set())
-        problems += self._check_complete(list(buckets), req.version, served_version)
+        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
         _reject_if(problems, req.version)
         try:
             mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
@@ -273,7 +356,8 @@ class BucketStager:
     def receive_bucket(self, meta: BucketMeta, group: DataPlaneGroup | None = None) -> None:
         """Receive the next bucket of the version being assembled (one broadcast, no checksum) on
         ``group`` (default: the one joined); raise ``VersionRejected`` after it if it cannot belong
-        to a valid version.
+        to a valid version, or ``BucketRefused`` before it (nothing received or allocated) when it
+        names a tensor the model does not have or would take the version past the staging budget.
 
         Names are unique within a version, so a bucket repeating a name already received starts a
         new version: the one being assembled was abandoned (a trainer that stopped half-way).
@@ -286,6 +370,10 @@ class BucketStager:
             received = set()
         index = len(self._partial)
         bucket = meta.to_bucket(index)
+        why = self._unstageable((bucket,), sum(m.nbytes for m, _, _ in self._partial) + meta.nbytes, whole=False)
+        if why:
+            self.discard()
+            raise BucketRefused("bucket refused before its broadcast: " + "; ".join(why))
         buf = self._spare_buffer(index, meta)
         group.broadcast(buf)
         self._partial.append((meta, buf, bucket))
@@ -319,6 +407,20 @@ class BucketStager:
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
 
+    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int, whole: bool,
+                     carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
+        """Why nothing may be allocated for ``buckets`` (staging ``nbytes`` in all): names the model
+        does not have (with ``whole``, a whole version: also what it lacks), or more bytes than the
+        staging budget."""
+        expected = self.expected if carrying is None else carrying
+        specs = [s for b in buckets for s in b.specs]
+        unknown = any(s.name not in expected for s in specs)
+        why = [layout_mismatch(expected, specs, part=not whole) or ""] if unknown else []  # marked lasting
+        if nbytes > self.max_version_bytes:
+            why.append(f"it needs {nbytes} bytes of staging, more than this receiver's budget of "
+                       f"{self.max_version_bytes} (the served model is {self.model_bytes})")
+        return why
+
     def _check_specs(self, specs: Iterable[TensorSpec], seen: set[str]) -> list[str]:
         """Problems with ``specs`` given the names ``seen`` earlier in the version (updated in place)."""
         problems = []
@@ -331,16 +433,23 @@ class BucketStager:
             elif (want.dtype, want.shape) != (spec.dtype, spec.shape):
                 problems.append(f"'{spec.name}': got {spec.dtype} {spec.shape}, expected {want.dtype} {want.shape}")
             seen.add(spec.name)
-        return problems
+        return [f"{LAYOUT_REFUSED}: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS])] if problems else []
 
-    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int) -> list[str]:
+    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int,
+                        carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
         problems = []
         if version <= served_version:
             problems.append(f"version {version} is not newer than the served version {served_version}")
-        missing = sorted(set(self.expected) - {s.name for b in buckets for s in b.specs})
-        if missing:
-            problems.append(f"{len(missing)} tensor(s) missing from the version, e.g. '{missing[0]}'")
-        return problems
+        mismatch = layout_mismatch(self.expected if carrying is None else carrying, [s for b in buckets for s in b.specs])
+        return [mismatch, *problems] if mismatch else problems  # first: what the server loads
+
+    def check_layout(self, check: LayoutCheck) -> None:
+        """Raise ``VersionRejected`` (saying ``LAYOUT_REFUSED`` and the differences) unless the trainer
+        plans to send exactly the tensors this receiver expects: asked at the trainer's ``connect``."""
+        problem = layout_mismatch(self.expected, check.specs)
+        if problem is not None:
+            log.warning("the trainer's plan was refused: %s", problem)
+            raise VersionRejected(problem)
 
     def mark_live(self, staged: StagedVersion) -> None:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""

@@ -27,7 +27,9 @@ import torch
 
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.protocol.checksum import bucket_crc
-from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view
+from asyncsync.checkpoint import Conversion
+from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view, unpack
+from asyncsync.trainer.layout import LayoutView
 from asyncsync.trainer.source import check_layout, local_part
 
 
@@ -59,12 +61,21 @@ class BucketShards:
 
 
 @dataclass(frozen=True)
+class SourcePlan:
+    """The buckets a sharded trainer's owners assemble when versions are sent in the engines' layout:
+    each planned bucket's sources (``WeightLayout.source_bucket``), converted once assembled."""
+
+    buckets: tuple[Bucket, ...]
+
+
+@dataclass(frozen=True)
 class ShardLayout:
     buckets: tuple[BucketShards, ...]
     world: int
 
     @classmethod
-    def of(cls, plan: BucketPlan, named: Mapping[str, torch.Tensor], world: int, owners: Sequence[int]) -> ShardLayout:
+    def of(cls, plan: BucketPlan | SourcePlan, named: Mapping[str, torch.Tensor], world: int,
+           owners: Sequence[int]) -> ShardLayout:
         """``named`` holds this rank's view (DTensors, or plain tensors that every rank holds whole)."""
         out = []
         for bucket, owner in zip(plan.buckets, owners, strict=True):
@@ -176,8 +187,9 @@ class ShardedBuffers:
     """
 
     def __init__(self, plan: BucketPlan, layout: ShardLayout, ranks: Any, runtime: Any, checksum: bool,
-                 snapshot: str | None):
+                 snapshot: str | None, conversion: Conversion | None = None):
         self.plan, self.layout, self.ranks, self.runtime, self.checksum = plan, layout, ranks, runtime, checksum
+        self.conversion = conversion
         rank = self.rank = ranks.rank
         device = self.device = runtime.device
         owned = [b for b in layout.buckets if b.owner == rank]
@@ -197,12 +209,16 @@ class ShardedBuffers:
         need += [b.contribution_bytes(rank) for b in layout.buckets if b.owner != rank and staged]
         self.scratch = torch.empty(max(need, default=0), dtype=torch.uint8, device=device)
         self.slot = torch.empty(max((b.bucket.nbytes for b in owned), default=0), dtype=torch.uint8, device=device)
+        # Converting to the engines' layout: the owner assembles the bucket's sources in ``slot``,
+        # then packs their conversion into ``converted`` (the bucket sent).
+        self.converted = torch.empty(max((plan.buckets[b.bucket.index].nbytes for b in owned), default=0) if conversion
+                                     else 0, dtype=torch.uint8, device=device)
         self._last_owned = {after.bucket.index: before.bucket.index for before, after in zip(owned, owned[1:])}
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the weights' device: the scratch, the slot and a device snapshot."""
-        device = self.scratch.numel() + self.slot.numel()
+        """Bytes on the weights' device: the scratch, the slot (and its converted bucket) and a device snapshot."""
+        device = self.scratch.numel() + self.slot.numel() + self.converted.numel()
         return device + (self.snapshot.numel() if self.snapshot is not None and not self.host_snapshot else 0)
 
     @property
@@ -220,7 +236,7 @@ class ShardedBuffers:
         ``UnpackableTensor``) before writing anything."""
         check_layout(self.plan, named, self.device)
         for shards in self.layout.buckets:
-            pack_contribution(shards, self.rank, named, self.area(shards.bucket.index))
+            pack_contribution(shards, self.rank, sources(named), self.area(shards.bucket.index))
 
     def packed(self) -> ShardedSource:
         """A source for ``send_version`` over what ``pack_all`` wrote."""
@@ -230,7 +246,13 @@ class ShardedBuffers:
         """A source that packs this rank's pieces from the live shards as each bucket is sent; raises
         ``LayoutChanged`` (or ``UnpackableTensor``) now, before anything is sent."""
         check_layout(self.plan, named, self.device)
-        return ShardedSource(self, named)
+        return ShardedSource(self, sources(named))
+
+
+def sources(named: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The tensors a rank holds pieces of: a version's sources when it is sent in the engines' layout
+    (``trainer/layout.py``), which the bucket's owner converts once it assembled them."""
+    return named.sources if isinstance(named, LayoutView) else named
 
 
 class ShardedSource:
@@ -284,12 +306,14 @@ class ShardedSource:
                 at += size
         if parts:
             b.ranks.receive(parts)
-        out = b.slot[: bucket.nbytes]
+        out = b.slot[: shards.bucket.nbytes]
         if self.named is not None:
             assemble(shards, parts, out, live=(b.rank, self.named))
         else:
             parts[b.rank] = b.area(bucket.index)
             assemble(shards, parts, out)
+        if b.conversion is not None:  # the whole sources are here: their conversion is the bucket sent
+            out = convert_bucket(b.conversion, shards.bucket, out, bucket, b.converted[: bucket.nbytes])
         if b.checksum:
             self._crc[bucket.index] = bucket_crc(out)
         return out
@@ -299,3 +323,13 @@ class ShardedSource:
 
     def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
         return self._crc.pop(bucket.index, None)
+
+
+def convert_bucket(conversion: Conversion, assembled: Bucket, buf: torch.Tensor, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+    """``bucket`` (targets in the engines' layout) into ``out``, converted from the ``assembled``
+    bucket of their sources in ``buf``: the conversion runs where a bucket's full tensors are."""
+    made = conversion.apply(dict(unpack(buf, assembled)))
+    with torch.no_grad():
+        for spec, at in zip(bucket.specs, bucket.offsets):
+            byte_view(out, at, spec.dtype, spec.shape).copy_(made[spec.name])
+    return out

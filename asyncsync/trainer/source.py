@@ -41,6 +41,7 @@ from torch.nn.modules import module as nn_module
 
 from asyncsync.packing.checks import UnpackableTensor, check_tensor
 from asyncsync.protocol.specs import BucketPlan, storage_aliases
+from asyncsync.trainer.layout import LayoutView, WeightLayout
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,10 @@ class WeightsReader:
     ``sharded``: a sharded trainer's rank, whose DTensors are checked by their local shards.
     """
 
-    def __init__(self, ties: TiedNames = TiedNames(), sharded: bool = False, convert: Convert | None = None) -> None:
+    def __init__(self, ties: TiedNames = TiedNames(), sharded: bool = False, convert: Convert | None = None,
+                 layout: WeightLayout | None = None) -> None:
         self.ties, self.sharded, self.convert = ties, sharded, convert
+        self.layout = layout  # the engines' layout: before ``convert`` (over every tensor), else over the names sent
         self._module: torch.nn.Module | None = None
         self._index: list[tuple[str, dict[str, Any], str]] = []  # (name, module._parameters/_buffers, key)
         self._members: set[int] = set()
@@ -231,12 +234,12 @@ class WeightsReader:
         """The view of ``weights``; raises what ``all_tensors`` raises, and what ``check_tensors``
         raises for a module being walked."""
         if self.convert is not None:
-            return WeightsView(converted(weights, self.convert), self.ties, self.sharded)
+            return WeightsView(converted(weights, self.convert, self.layout), self.ties, self.sharded)
         if not isinstance(weights, torch.nn.Module):
-            return WeightsView(all_tensors(weights), self.ties, self.sharded)
+            return WeightsView(all_tensors(weights), self.ties, self.sharded, self.layout)
         if weights is not self._module or self._stale:
             self._walk(weights)
-        return WeightsView({name: table[key] for name, table, key in self._index}, None, self.sharded)
+        return WeightsView({name: table[key] for name, table, key in self._index}, None, self.sharded, self.layout)
 
     def _walk(self, module: torch.nn.Module) -> None:
         if not self._hooks:
@@ -266,25 +269,28 @@ class WeightsReader:
 
 class WeightsView:
     """The tensors of one version as read at ``publish``; ``tensors()`` gives the name -> tensor map
-    sent, every tensor checked (``check_tensors``) the first time, on the thread that packs it."""
+    sent, every tensor checked (``check_tensors``) the first time, on the thread that packs it: in
+    the engines' layout (``layout``), whose converted groups are produced only as they are packed."""
 
-    def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None, sharded: bool = False):
+    def __init__(self, named: dict[str, torch.Tensor], ties: TiedNames | None = None, sharded: bool = False,
+                 layout: WeightLayout | None = None):
         self._named, self._ties = named, ties  # ties: still to be left out of ``named`` (a mapping's)
-        self._sharded, self._checked = sharded, False
+        self._sharded, self._checked, self._layout = sharded, False, layout
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> Mapping[str, torch.Tensor]:
         if not self._checked:
             check_tensors(self._named, self._sharded)
             self._checked = True
         if self._ties is not None:
             self._named, self._ties = self._ties.drop(self._named), None
-        return self._named
+        return self._named if self._layout is None else self._layout.view(self._named)
 
 
-def converted(weights: Weights, convert: Convert) -> dict[str, torch.Tensor]:
-    """``convert`` applied to every tensor of ``weights``; a ``TypeError`` names a result that is not
-    a mapping of tensors."""
-    out = convert(all_tensors(weights))
+def converted(weights: Weights, convert: Convert, layout: WeightLayout | None = None) -> dict[str, torch.Tensor]:
+    """``convert`` applied to every tensor of ``weights`` (in the engines' ``layout`` first, when
+    given); a ``TypeError`` names a result that is not a mapping of tensors."""
+    named = all_tensors(weights)
+    out = convert(dict(layout.view(named)) if layout is not None else named)
     if not isinstance(out, Mapping):
         raise TypeError(f"the conversion function returned a {type(out).__name__}; it must return a mapping of "
                         "name -> tensor (the names and layouts the servers load)")
@@ -303,7 +309,10 @@ def check_layout(plan: BucketPlan, named: Mapping[str, torch.Tensor], device: to
     """Raise ``LayoutChanged`` unless ``named`` matches the plan: the one policy of both modes. Servers
     verify every version against the model they serve, so a changed layout is refused, not re-planned.
     A tensor that moved off ``device`` (where the buffers were allocated) raises ``UnpackableTensor``."""
-    problem = plan.mismatch(named)
+    if isinstance(named, LayoutView):  # its targets are made from its sources as planned: check those
+        named, problem = named.sources, named.layout.source_mismatch(named.sources)
+    else:
+        problem = plan.mismatch(named)
     if problem is not None:
         raise LayoutChanged(f"the weights changed since connect(): {problem}; servers only accept the layout "
                             "they serve, so call connect() again if the model really changed")

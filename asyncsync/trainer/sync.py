@@ -6,6 +6,11 @@ background and ``publish`` returns at once. Both modes run the same pipeline: th
 (``PackedBuffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
 differ in where the bytes are packed from (the live weights into a ring of a few buckets, or a snapshot).
 
+With ``lora: adapter`` a PEFT model's versions are its adapter's tensors only (``trainer/adapter.py``):
+``connect`` also has every server judge the adapter and sends the base once where it is not served,
+and each version is loaded into every engine under ``<name>-v<N>`` by the control loop
+(``transport/adapters.py``), never inside a trainer collective.
+
 A sharded trainer (FSDP2, DTensors on a DeviceMesh) calls every method on every rank, like a
 collective (``trainer_ranks: auto``). Rank 0 talks to the servers and plans; every rank sends the
 buckets it owns (``trainer.shards``: the owner gathers that bucket's pieces from the other ranks),
@@ -20,28 +25,36 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
+from asyncsync.checkpoint import LayoutError
 from asyncsync.config import ConfigError, WeightSyncConfig
 from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
-from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version_name
+from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
+from asyncsync.trainer.adapter import Adapter
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
 from asyncsync.trainer.delta import EncodeAhead, keeps_baseline
-from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, balanced_owners
+from asyncsync.trainer.layout import PeftMerge, WeightLayout
+from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.worker import Sender, SyncWorker
+from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import BucketSource, follow_version, send_version
+from asyncsync.transport.send import SLACK_S, BucketSource, follow_version, send_version
 from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+LOAD_ROUND_S = 0.5  # a blocking publish waits for adapter loads in rounds this long, every rank told after each
 
 
 class WeightSync:
@@ -73,6 +86,7 @@ class WeightSync:
         self._baseline: PackedBuffers | None = None  # blocking mode's delta baseline (trainer/delta.py)
         self._ahead = EncodeAhead()
         self._reader = WeightsReader()
+        self.layout: WeightLayout | None = None  # the engines' layout of the weights (None: convert= gives it)
         self.ranks = TrainerRanks()  # this process's place among a sharded trainer's ranks (a world of one)
         self._follower: Follower | None = None  # ranks other than 0 follow rank 0's plans
         self._lost: str | None = None  # why another trainer rank is gone (blocking mode)
@@ -81,6 +95,8 @@ class WeightSync:
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
         self._errors_at_close: list[str] = []
+        self._loads: AdapterLoads | None = None  # lora: adapter: rank 0's loads of each version into the engines
+        self._base_pools: list[SegmentPool] = []  # the base's segments same-host servers serve from (lora: adapter)
         self.session = new_session()  # the trainer session that owns the servers from connect() to close()
 
     @classmethod
@@ -107,6 +123,12 @@ class WeightSync:
         if self._worker is not None:
             return self._worker.nbytes + shared
         return sum(b.nbytes for b in (self._ring, self._baseline) if b is not None) + shared
+
+    @property
+    def conversion_bytes(self) -> int:
+        """The most bytes converting to the engines' layout allocates at once while a version is
+        packed (``trainer/layout.py``: copies such as fused experts' gate/up split), on the weights' device."""
+        return self.layout.scratch_bytes(self.plan) if self.layout is not None and self.plan is not None else 0
 
     @property
     def host_buffer_bytes(self) -> int:
@@ -142,24 +164,51 @@ class WeightSync:
             if sharded and cfg.group_per_server:
                 raise ConfigError("group_per_server: a sharded trainer's ranks send every version together; set it "
                                   "to false (or sync from a single process)")
-            every = converted(model, convert) if convert is not None else all_tensors(model)
-            check_tensors(every, sharded)  # no server hears of weights that cannot be sent
+            held = all_tensors(model)
+            if convert is None:
+                check_tensors(held, sharded)  # no server hears of weights that cannot be sent
+            adapter, base = self._adapter_of(model, held, convert)
+            # the engines' names (trainer/layout.py); lora: adapter sends the adapter's (trainer/adapter.py)
+            layout = WeightLayout.of(model, held, cfg.layout == "checkpoint") if adapter is None else adapter.layout(held)
+            if sharded and not layout.identity and any(isinstance(s, PeftMerge) for s in layout.conversion.stages):
+                raise ConfigError("a PEFT model on a sharded trainer: asyncsync merges LoRA adapters only in a single "
+                                  "trainer process; set lora: adapter (the adapter is gathered like any tensor), merge "
+                                  "them yourself and pass convert=, or sync from one process")
+            every = converted(model, convert, layout) if convert is not None else held
+            if convert is not None:
+                check_tensors(every, sharded)
             self.runtime = runtime = runtime_for(weights_device(every))
             self._packer = get_backend(cfg.pack_backend, runtime.device)  # before any group: a bad backend fails first
             if ranks.leader:
-                ties = self._connect_servers(every if convert is not None else model)
+                ties = self._connect_servers(every if convert is not None else model, None if convert else base or layout)
             else:
                 self._follower = Follower(ranks, runtime)
                 (_, ties) = self._follower.until("names")
+            if convert is None:
+                layout = layout.keeping(ties.drop(held))  # a tied weight's second name is not sent
+                base = base.keeping(ties.drop(held)) if base is not None else None
             self._reader.close()
-            self._reader = WeightsReader(ties, sharded, convert)
+            self._reader = WeightsReader(ties, sharded, convert, layout)
+            self.layout = layout if convert is None else None
             named = self._reader.read(model).tensors()  # this rank's view, read once here
             if ranks.leader:
                 plan, owners = self._plan(named)
+                if adapter is None:
+                    self._check_layouts(plan)  # a plan a server would refuse at every version fails here
+                else:
+                    assert base is not None
+                    self._check_layouts(BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes))  # the base's
+                    self._check_adapter(adapter, plan)
+                    self._send_base(model, base)
                 ranks.from_leader(("ready", (plan, owners)))
             else:
+                if adapter is not None:
+                    assert base is not None
+                    self._send_base(model, base)
                 (_, (plan, owners)) = self._follower.until("ready")
             self.plan, self._connected = plan, True
+            if adapter is not None:
+                self._start_loads(adapter)
             self._allocate(plan, named, owners)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
@@ -167,7 +216,7 @@ class WeightSync:
             self._connected = False
             self.close()
             raise
-        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes, self.baseline_bytes)
+        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes, self.baseline_bytes)
         staging = {e.url: e.staging_bytes(plan.total_bytes, m.server_ranks[e.url])  # rank 0's members
                    for m in self._members for e in m.engines if e.url in m.server_ranks}
         self.metrics.staging({u: n for u, n in staging.items() if n is not None})
@@ -175,9 +224,122 @@ class WeightSync:
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
 
-    def _connect_servers(self, weights: Weights) -> TiedNames:
+    def _adapter_of(self, model: Weights, held: dict[str, Any], convert: Convert | None
+                    ) -> tuple[Adapter | None, WeightLayout | None]:
+        """``lora: adapter``: the model's active adapter and the layout of its base; (None, None) otherwise."""
+        if self.config.lora != "adapter":
+            return None, None
+        if convert is not None or not isinstance(model, torch.nn.Module):
+            raise ConfigError("lora: adapter sends a peft.PeftModel's adapter: pass the PEFT model itself to connect(), "
+                              "without convert=")
+        try:
+            return Adapter.of(model, held), WeightLayout.of(model, held, True, base_only=True)
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_adapter(self, adapter: Adapter, plan: BucketPlan) -> None:
+        """Rank 0: raise ``ConfigError`` unless every server can serve the adapter (``check_adapter``:
+        LoRA enabled, its rank, its targets, the versions held at once), before anything is sent."""
+        cfg = self.config
+        check = AdapterCheck(cfg.lora_name, adapter.config, plan.specs, cfg.max_staleness + 2)
+        refused = {url: why for m in self._members for url, why in m.refusals(lambda e: e.check_adapter(check),
+                                                                             "check_adapter").items()}
+        if refused:
+            url, why = next(iter(refused.items()))
+            raise ConfigError(f"{len(refused)} server(s) cannot serve the adapter (lora: adapter): {url}: {why}")
+
+    def _send_base(self, model: Weights, base: WeightLayout) -> None:
+        """Every rank, at connect (``lora: adapter``): the base, as one version, to each group holding
+        a server that does not serve it (a sharded trainer cannot fingerprint its shards: its servers
+        always get it); ``ConfigError`` when a server refuses it."""
+        cfg, ranks = self.config, self.ranks
+        reader = WeightsReader(self._reader.ties, ranks.world > 1, None, base)
+        try:
+            named = reader.read(model).tensors()
+        finally:
+            reader.close()
+        if ranks.leader:
+            plan = BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes,
+                                          any(m.single_dtype_buckets for m in self._members), ranks.world > 1)
+            sources = self._members[0].sources
+            owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
+            todo = self._without_base(named)
+            version = 1 + max((v for m in todo for v in m.member_versions().values()), default=0)
+            setup = (version, plan, owners) if todo else None
+            ranks.from_leader(("base", setup))
+        else:
+            assert self._follower is not None
+            (_, setup) = self._follower.until("base")
+        if setup is None:
+            return
+        version, plan, owners = setup
+        ring, _ = self._buffers(plan, named, owners, "device", layout=base)
+        if not ranks.leader:
+            follow_version(self._follower, plan, ring().packing(named), cfg.checksum)
+            return
+        for m in todo:
+            log.info("sending the base (%.1f MB) as version %d to %s", plan.total_bytes / 1e6, version,
+                     [e.url for e in m.members])
+            result = send_version(m, version, plan, self._base_source(m, plan, named, ring))
+            if result.failures:
+                url, why = next(iter(result.failures.items()))
+                raise ConfigError(f"the base (lora: adapter) could not be sent to {url}: {why}")
+
+    def _without_base(self, named: Any) -> list[Membership]:
+        """Rank 0: the memberships with a server that does not serve the base ``named`` (each server
+        compares CRC32Cs; a sharded trainer's servers are all sent it)."""
+        if self.ranks.world > 1:
+            return list(self._members)
+        check = BaseCheck(tuple((n, tensor_crc(t)) for n, t in named.items()))
+        todo = []
+        for m in self._members:
+            answers = m.call_all(m.members, lambda e: e.serves_base(check), "serves_base")
+            unknown = [u for u, a in answers.items() if a is None]
+            if unknown:
+                log.warning("%s cannot tell which base they serve: the adapter is applied to what they serve", unknown)
+            if any(a is False or isinstance(a, BaseException) for a in answers.values()):
+                todo.append(m)
+        return todo
+
+    def _base_source(self, members: Membership, plan: BucketPlan, named: Any, ring: Any) -> BucketSource:
+        """Where the base is sent from: a ring packed from the live weights, or, with a server on
+        shared memory, a segment it then serves from (kept until ``close``)."""
+        if not members.shared:
+            return ring().packing(named)
+        assert self.runtime is not None and self._packer is not None
+        pool = SegmentPool([b.nbytes for b in plan.buckets])
+        self._base_pools.append(pool)
+        members.pool = pool
+        buffers = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, None, pool)
+        buffers.pack_all(named)
+        return buffers.packed()
+
+    def _start_loads(self, adapter: Adapter) -> None:
+        """Rank 0: the servers' versions become the adapter's (those they already serve are adopted,
+        and unloaded like this session's once they fall behind)."""
+        if not self.ranks.leader:
+            return
+        cfg = self.config
+        assert self._control is not None
+        self._loads = loads = AdapterLoads(cfg.lora_name, adapter.config, self.session, cfg.max_staleness,
+                                           self._control, self.metrics, cfg.deadlines.load_s)
+        for m in self._members:
+            m.adapter = cfg.lora_name
+            served = m.call_all(m.members, lambda e: e.adapter_versions(cfg.lora_name), "adapter_versions")
+            for url, versions in served.items():
+                listed = versions if isinstance(versions, list) else []
+                loads.adopt(url, listed)
+                m.server_versions[url] = max(listed, default=0)
+
+    def adapter_name(self, version: int) -> str:
+        """The name version ``version`` of the adapter is served under (``lora: adapter``): pass it to
+        a generation request (``EngineClient.generate(..., adapter=)``) to be served that version."""
+        return version_name(self.config.lora_name, version)
+
+    def _connect_servers(self, weights: Weights, layout: WeightLayout | None) -> TiedNames:
         """Rank 0 (or the single process): the data-plane groups with every server, then the names
-        sent (``weights``: the module, or the conversion's output), which every rank is told."""
+        sent (``weights``: the module, whose ``layout`` gives the names servers know it by, or the
+        conversion's output), which every rank is told."""
         cfg, ranks = self.config, self.ranks
         self._control = ControlLoop()
         groups = [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]
@@ -186,28 +348,60 @@ class WeightSync:
             self._members.append(Membership.connect(group_cfg, self._control, self.metrics, self.runtime, self.session,
                                                     ranks, spread))
         told = [names for m in self._members for names in m.expected_names()]
-        ties = TiedNames.decide(weights, frozenset().union(*told) if told else None)
+        expected = frozenset().union(*told) if told else None
+        if expected is not None and layout is not None:
+            expected = layout.renamed_sources(expected)
+        ties = TiedNames.decide(weights, expected)
         ranks.from_leader(("names", ties))
         return ties
+
+    def _check_layouts(self, plan: BucketPlan) -> None:
+        """Rank 0: raise ``ConfigError`` when a server says it does not load exactly the plan's
+        tensors (names, dtypes, shapes): the first few differences on both sides, and the fix."""
+        refused = {url: why for m in self._members for url, why in m.layout_refusals(plan.specs).items()}
+        if not refused:
+            return
+        url, why = next(iter(refused.items()))
+        if LAYOUT_REFUSED not in why:
+            fix = "this server cannot apply versions of the model it serves (the reason above); serve it elsewhere"
+        elif self.config.layout == "trainer":
+            fix = "set layout: checkpoint to send a transformers model as its checkpoint stores it"
+        elif self.layout is not None and self.layout.identity:
+            fix = ("pass convert= to connect() mapping the trainer's names and layouts to those the server loads, or "
+                   "serve the model the trainer trains (saved with save_pretrained)")
+        else:
+            fix = ("the trainer's model was converted to its checkpoint layout (layout: checkpoint); serve a checkpoint "
+                   "saved from this model (save_pretrained), or pass convert= mapping the names to those the server loads")
+        raise ConfigError(f"{len(refused)} server(s) would refuse every version: {url}: {why}. Fix: {fix}")
 
     def _plan(self, named: dict[str, Any]) -> tuple[BucketPlan, list[int]]:
         """Rank 0: the bucket plan of its view (global shapes), and each bucket's owner rank."""
         single_dtype = any(m.single_dtype_buckets for m in self._members)
-        plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
+        if self.layout is not None:  # the targets of each conversion group together
+            whole = self.ranks.world > 1 and not self.layout.identity  # each bucket's owner converts whole groups
+            plan = BucketPlan.from_groups(self.layout.target_groups(), self.config.bucket_bytes, single_dtype, whole)
+        else:
+            plan = BucketPlan.from_tensors(named.items(), self.config.bucket_bytes, single_dtype)
         sources = self._members[0].sources
         return plan, balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
 
     def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
-                 pool: SegmentPool | None = None, delta: bool = False) -> tuple[Any, Any]:
+                 pool: SegmentPool | None = None, layout: WeightLayout | None = None,
+                 delta: bool = False) -> tuple[Any, Any]:
         """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
         host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory;
-        with ``delta``, a whole-version set that is the delta baseline)."""
+        with ``delta``, a whole-version set that is the delta baseline) of ``plan`` in ``layout``
+        (default: the versions')."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
         if ranks.world > 1 or (snapshot == "host" and pool is None):
-            layout = ShardLayout.of(plan, named, ranks.world, owners)
-            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None),
-                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot))
+            weights = layout or self.layout
+            converts = weights is not None and not weights.identity
+            assembled = plan if not converts else SourcePlan(tuple(weights.source_bucket(b) for b in plan.buckets))
+            layout = ShardLayout.of(assembled, sources(named), ranks.world, owners)
+            conversion = weights.conversion if converts else None
+            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion),
+                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
                 lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool, delta and pool is None))
 
@@ -216,38 +410,47 @@ class WeightSync:
         self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
         assert self._packer is not None
         delta = keeps_baseline(self.config, self._packer, self.ranks.world, self._members)
-        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool, delta)
+        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool, delta=delta)
         if not self.is_async:
             self._ring = ring()
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
             if delta:  # the baseline, beside the ring (trainer/delta.py)
-                self._baseline = self._buffers(plan, named, owners, "device", None, True)[1]()
+                self._baseline = self._buffers(plan, named, owners, "device", None, delta=True)[1]()
             return
         if self.ranks.leader:
-            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res) for m in self._members]
+            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res, self._loads)
+                                     for m in self._members]
             served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
+            reachable = lambda: any(m.reachable() for m in self._members)  # noqa: E731
         else:
             senders = [lambda v, src, res: self._follow(v, src) or res]
             served = lambda needed: min(self.server_versions.values(), default=needed)  # noqa: E731
+            reachable = lambda: True  # noqa: E731
         assert self.runtime is not None
-        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served)
+        self._worker = SyncWorker(senders, plan, snapshot, StreamSet(self.runtime), self.metrics, self.ranks, served,
+                                  reachable)
+        if self._loads is not None:
+            self._loads.on_change = self._worker.poke  # a load moves the servers' versions (wait_for_fresh_servers)
 
     def memory(self, model: Weights) -> dict[str, dict[str, int]]:
         """The bytes a single trainer process's sync allocates for ``model`` in each mode (blocking,
         async with the snapshot on the device, async with it in host memory), on the weights' device
-        and in host memory, as ``connect`` would allocate them (tied weights once), without any server.
+        and in host memory, as ``connect`` would allocate them (tied weights once), without any server;
+        ``conversion``: the most a version's conversion to the engines' layout allocates at once.
         The buffers are allocated to be measured, then released (``asyncsync doctor`` prints this)."""
         cfg = self.config
-        named = WeightsReader(TiedNames.decide(model, None)).read(model).tensors()
-        self.runtime = runtime_for(weights_device(named))
+        held, ties = all_tensors(model), TiedNames.decide(model, None)
+        self.layout = layout = WeightLayout.of(model, held, cfg.layout == "checkpoint").keeping(ties.drop(held))
+        named = WeightsReader(ties, layout=layout).read(model).tensors()
+        self.runtime = runtime_for(weights_device(held))
         self._packer = get_backend(cfg.pack_backend, self.runtime.device)
-        plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes)
+        plan = BucketPlan.from_groups(layout.target_groups(), cfg.bucket_bytes)
         owners = [0] * len(plan.buckets)
         out = {}
         for mode, snapshot in (("blocking", None), ("async_device", "device"), ("async_host", "host")):
             ring, snap = self._buffers(plan, named, owners, snapshot or "device")
             buffers = ring() if snapshot is None else snap()
-            out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes}
+            out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes, "conversion": layout.scratch_bytes(plan)}
             del buffers
         if cfg.delta == "auto" and cfg.checksum and self._packer.encodes_deltas:
             # async mode's baseline is its snapshot; blocking mode keeps a whole version beside its ring
@@ -295,10 +498,15 @@ class WeightSync:
         self._last_version = version
         self.metrics.count("published")
         try:
-            if self.ranks.leader:
-                result = send_version(self._members[0], version, self.plan, source, result)  # blocking mode has one membership
+            if self.ranks.leader:  # blocking mode has one membership
+                result = send_version(self._members[0], version, self.plan, source, result, self._loads)
+                if self._loads is not None:
+                    self._await_loads(result)
             else:
-                result = self._follow(version, source) or result
+                followed = self._follow(version, source)
+                if followed is not None and self.config.lora == "adapter":
+                    self._await_loads(followed)
+                result = followed or result
         except TrainerRankLost as e:
             self._lost = str(e)
             raise
@@ -306,6 +514,33 @@ class WeightSync:
         self.metrics.record(result)
         self.metrics.count("sent" if result.server_versions else "failed")
         return result
+
+    def _await_loads(self, result: SyncResult) -> None:
+        """Blocking mode, ``lora: adapter``: return once every server that wrote ``result``'s version
+        loaded it or failed to (``result`` then says which). Rank 0 waits in rounds of
+        ``LOAD_ROUND_S`` and tells every other rank after each whether the loads are over, so each
+        collective is answered within a round however long an engine takes: none waits on a load."""
+        if not self.ranks.leader:
+            assert self._follower is not None
+            while not self._follower.until("loading")[1]:
+                pass
+            return
+        assert self._loads is not None
+        urls = list(result.server_versions)
+        give_up = time.monotonic() + self.config.deadlines.load_s * 2 + SLACK_S  # the loads' own deadlines end them first
+        t0 = time.perf_counter()
+        while True:
+            outcome = self._loads.wait(result.version, urls, LOAD_ROUND_S)
+            over = outcome is not None or time.monotonic() > give_up
+            self.ranks.from_leader(("loading", over))
+            if over:
+                break
+        outcome = outcome or {u: f"{self.adapter_name(result.version)}: no load ended in time" for u in urls}
+        result.server_versions = {u: v for u, v in outcome.items() if isinstance(v, int)}
+        result.failures.update({u: v for u, v in outcome.items() if isinstance(v, str)})
+        result.apply_s += time.perf_counter() - t0
+        result.finished = time.perf_counter()
+        result.total_s = result.finished - result.started
 
     def _blocking_source(self, named: dict[str, Any], result: SyncResult) -> tuple[BucketSource, float]:
         """Blocking mode's buckets and the seconds packed ahead: with a server on shared memory, the
@@ -351,7 +586,8 @@ class WeightSync:
 
     def wait_for_fresh_servers(self, trainer_version: int, timeout: float | None = None) -> bool:
         """Wait until every server is within ``max_staleness`` of ``trainer_version`` (async mode);
-        rollouts generated afterwards are fresh enough. False on timeout."""
+        rollouts generated afterwards are fresh enough. False on timeout, and as soon as no server
+        can get there (every one evicted, or refusing this plan's layout: ``errors`` says why)."""
         needed = trainer_version - self.config.max_staleness
         if self._worker is None:
             return lowest_member_version(self._members, needed) >= needed
@@ -380,6 +616,9 @@ class WeightSync:
         if self._worker is not None:
             self._worker.close()
             self._errors_at_close = self._worker.errors
+            if self._errors_at_close:
+                log.error("%d version(s) could not be sent (sync.errors): the last: %s", len(self._errors_at_close),
+                          self._errors_at_close[-1])
             lost = lost or self._worker.lost
             self._worker = None
         if self._connected and self.ranks.world > 1 and lost is None:  # connected: the ranks part together
@@ -387,6 +626,9 @@ class WeightSync:
                 self._tell_followers(("stop",))
             else:
                 self._await_stop()
+        if self._loads is not None:  # after the other ranks were let go: the last version's loads end
+            self._loads.drain(self.config.deadlines.load_s + SLACK_S)
+            self._loads = None
         self._versions_at_close.update(self.server_versions)
         for m in self._members:
             m.close()
@@ -398,6 +640,9 @@ class WeightSync:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for pool in self._base_pools:
+            pool.close()
+        self._base_pools = []
         self._reader.close()
         if self._follower is not None:
             self._follower.drop_group()

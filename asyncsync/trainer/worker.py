@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsync.metrics import SyncMetrics, SyncResult
-from asyncsync.protocol.specs import BucketPlan
+from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRanks, TrainerRankLost
 from asyncsync.trainer.source import WeightsView
 from asyncsync.trainer.streams import Marker, StreamSet
@@ -94,9 +94,10 @@ class SyncWorker:
     """Snapshotter and sender threads between the trainer and its data paths (see the module doc)."""
 
     def __init__(self, senders: list[Sender], plan: BucketPlan, new_buffers: Callable[[], Any], streams: StreamSet,
-                 metrics: SyncMetrics, ranks: TrainerRanks, served: Callable[[int], int]):
+                 metrics: SyncMetrics, ranks: TrainerRanks, served: Callable[[int], int],
+                 reachable: Callable[[], bool] = lambda: True):
         self.senders, self.plan, self.streams, self.metrics = senders, plan, streams, metrics
-        self.ranks, self.served = ranks, served
+        self.ranks, self.served, self.reachable = ranks, served, reachable
         self._sets = [Snapshot(new_buffers()) for _ in range(1 if len(senders) == 1 else len(senders) + 1)]
         self._cond = threading.Condition()
         self._s = _State(ready=[None] * len(senders), sending=[None] * len(senders))
@@ -156,9 +157,18 @@ class SyncWorker:
         self.metrics.stalled(time.perf_counter() - t0)
 
     def wait_served(self, version: int, timeout: float | None = None) -> bool:
-        """Wait until every server in a group serves ``version`` or later (evicted ones excluded)."""
+        """Wait until every server in a group serves ``version`` or later (evicted ones excluded):
+        True then; False at ``timeout``, at close, or as soon as no server can reach it (every one
+        evicted or refusing this plan's layout: ``errors`` says why)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.served(version) >= version or self._s.closing, timeout)
+            self._cond.wait_for(lambda: self.served(version) >= version or self._s.closing or not self.reachable(),
+                                timeout)
+            return self.served(version) >= version
+
+    def poke(self) -> None:
+        """Something ``served`` reads changed outside the senders (an adapter version was loaded)."""
+        with self._cond:
+            self._cond.notify_all()
 
     @property
     def errors(self) -> list[str]:
@@ -300,6 +310,11 @@ class SyncWorker:
                 self.metrics.record(result)
                 if first:  # count a version once, however many senders carry it
                     self.metrics.count("sent" if result.server_versions else "failed")
+                refusal = lasting_refusal(result)
+                if refusal is not None:
+                    log.error("version %d: %s", snap.version, refusal)
+                    with self._cond:
+                        self._s.errors.append(f"version {snap.version}: {refusal}")
             except TrainerRankLost:
                 raise  # the sync cannot go on (``_guarded`` stops the worker)
             except Exception as e:
@@ -312,3 +327,14 @@ class SyncWorker:
                 snap.sent.append(sent)
                 self._s.sending[i] = None
                 self._cond.notify_all()
+
+
+def lasting_refusal(result: SyncResult) -> str | None:
+    """Why no server took ``result``'s version, when every one that answered refused it for its
+    layout (``specs.LAYOUT_REFUSED``): a mistake that repeats at every version, so an error of the
+    sync rather than a server's transient refusal."""
+    if result.server_versions or not result.failures or not all(LAYOUT_REFUSED in f for f in result.failures.values()):
+        return None
+    url, reason = next(iter(result.failures.items()))
+    return (f"refused by every server for its layout, as every version of this plan will be ({url}: {reason}); "
+            "connect() again with the layout the servers load (layout: checkpoint, or convert=)")

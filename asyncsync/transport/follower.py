@@ -11,7 +11,11 @@ in the same order on every rank:
                            server is in a group, nothing to send
     ("done", result)       the version is over: rank 0's ``SyncResult`` (the servers' answers), or
                            None when the version was abandoned
+    ("loading", over)      blocking ``lora: adapter``: after each short round of waiting for the
+                           engines' loads of the version, whether they are over
     ("names", ties)        connect(): the names sent (``TiedNames``), decided with the servers
+    ("base", setup)        connect() with ``lora: adapter``: the base's (version, plan, owners), sent
+                           like a version, or None when every server serves it
     ("ready", setup)       connect() is over: the bucket plan and each bucket's owner
     ("failed", why)        connect() failed on rank 0 (no server, a conflict): every rank raises
     ("stop",)              close()

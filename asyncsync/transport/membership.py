@@ -40,7 +40,8 @@ from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
 from asyncsync.protocol.shm import HostIdentity
-from asyncsync.protocol.wire import OWNED_STATUS
+from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.wire import OWNED_STATUS, LayoutCheck
 from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
@@ -92,10 +93,16 @@ class Membership:
         # The version each server committed from this sync, its next delta's baseline (transport.send):
         # set by a successful ``end``, dropped by any failure or eviction.
         self.baselines: dict[str, int] = {}
+        # Members that refused the last version for its layout (``specs.LAYOUT_REFUSED``): they would
+        # refuse every version of this plan, so no later version can reach them either.
+        self.refusing: dict[str, str] = {}
         self.group: TrainerGroups | None = None
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
         self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
+        # ``lora: adapter``, once the base is in place: the adapter whose newest version each server serves
+        # is its version (``server_versions``), not its weights' version.
+        self.adapter: str | None = None
         self._next_probe = 0.0
         multi = all(e.protocol.multi_group for e in self.engines)
         self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
@@ -136,6 +143,24 @@ class Membership:
             if isinstance(answer, BaseException):
                 log.warning("%s did not say which tensors it expects: %s", url, answer)
         return [a for a in answers.values() if isinstance(a, frozenset)]
+
+    def layout_refusals(self, specs: tuple[TensorSpec, ...]) -> dict[str, str]:
+        """Asked at connect: each member that would refuse a plan sending ``specs``, and why. A server
+        that fails to answer is counted as one that cannot tell: it still refuses a bad version."""
+        return self.refusals(lambda e: e.check_layout(LayoutCheck(specs)), "check_layout")
+
+    def refusals(self, call: Callable[[EngineClient], Awaitable[str | None]], what: str) -> dict[str, str]:
+        """Each member's refusal (``call``'s answer: None, or why not) of what connect asks; a server
+        that fails to answer is logged and counted as one that cannot tell."""
+        answers = self.call_all(self.members, call, what)
+        for url, answer in answers.items():
+            if isinstance(answer, BaseException):
+                log.warning("%s did not answer %s: %s", url, what, answer)
+        return {url: answer for url, answer in answers.items() if isinstance(answer, str)}
+
+    def reachable(self) -> bool:
+        """Whether a later version can still reach a server: some member does not refuse this plan."""
+        return any(e.url not in self.refusing for e in self.members)
 
     def member_versions(self) -> dict[str, int]:
         """The versions of the servers currently in the groups (evicted ones excluded)."""
@@ -214,7 +239,12 @@ class Membership:
         for e in self.members:
             if self.evicted.pop(e.url, None) is not None:
                 self.metrics.event("rejoined", e.url, None, f"epoch {self.epoch}")
-        versions = self.call_all(self.members, lambda e: e.version(), "version")
+        self.refresh_versions()
+
+    def refresh_versions(self) -> None:
+        """Ask every member the version it serves: its weights', or its newest of ``adapter``'s."""
+        name = self.adapter
+        versions = self.call_all(self.members, lambda e: e.version() if name is None else newest(e, name), "version")
         self.server_versions.update({u: v for u, v in versions.items() if not isinstance(v, BaseException)})
 
     def _same_host(self, engines: list[EngineClient], refuse: bool) -> set[str]:
@@ -331,6 +361,11 @@ async def gather(engines: list[EngineClient], call: Callable[[EngineClient], Awa
     """Call every server concurrently; each server's result or exception, keyed by URL."""
     results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
     return {e.url: r for e, r in zip(engines, results)}
+
+
+async def newest(engine: EngineClient, adapter: str) -> int:
+    """The newest version of ``adapter`` the engine serves (0: none)."""
+    return max(await engine.adapter_versions(adapter), default=0)
 
 
 def lowest_member_version(memberships: Iterable[Membership], default: int) -> int:

@@ -26,10 +26,13 @@ import torch
 from asyncsync.engines.base import EngineClient
 from asyncsync.metrics import SyncResult
 from asyncsync.packing.checks import UnpackableTensor
+from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
-from asyncsync.protocol.specs import Bucket, BucketPlan
+from asyncsync.protocol.lora import AdapterUpdate
+from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
+from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.control import ServerError
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
@@ -66,8 +69,13 @@ class BucketSource(Protocol):
 
 
 def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
-                 result: SyncResult | None = None) -> SyncResult:
+                 result: SyncResult | None = None, adapter: AdapterLoads | None = None) -> SyncResult:
     """Broadcast every bucket of ``plan`` from ``source`` and have every member apply ``version``.
+
+    With ``adapter`` (``lora: adapter``) the version is an adapter's: each member verifies it and
+    writes its directory (``result.server_versions``: the members that wrote it), and once the other
+    trainer ranks were told the version is done, ``adapter`` loads it into each engine (their
+    ``members.server_versions`` move then), off every trainer collective.
 
     The time ``source.bucket`` and ``source.checksum`` take is counted as ``pack_s``. Never raises for
     a server's failure: see ``result.failures`` and the metrics' events. Raises what ``source.bucket``
@@ -99,7 +107,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if skipped:
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
         engines = [e for e in engines if e.url not in skipped]
-    ranks.from_leader(("version", VersionPlan(version, deadlines)))
+    frames = VersionFrames.of(request)  # every bucket's frame header to asyncsync's receivers carries it
+    ranks.from_leader(("version", VersionPlan(version, deadlines, frames)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -115,15 +124,23 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
 
     async def begin_and_update(e: EngineClient) -> None:
         try:
-            await within(e, e.begin(version), deadline(e, "begin"), "begin")
-            await within(e, e.update(requests.get(e.url, request)), deadline(e, "update"), "update")
+            if adapter is None:
+                await within(e, e.begin(version), deadline(e, "begin"), "begin")
+                await within(e, e.update(requests.get(e.url, request)), deadline(e, "update"), "update")
+            else:
+                await within(e, e.begin_adapter(version), deadline(e, "begin"), "begin")
+                update = AdapterUpdate(requests.get(e.url, request), adapter.target(e.url, version))
+                await within(e, e.update_adapter(update), deadline(e, "update"), "update")
         except Exception:
             await abort(e)
             raise
 
     async def end(e: EngineClient) -> int:
         try:
-            return await within(e, e.end(version), deadline(e, "end"), "end")
+            if adapter is None:
+                return await within(e, e.end(version), deadline(e, "end"), "end")
+            await within(e, e.end_adapter(version), deadline(e, "end"), "end")
+            return version  # written; served once loaded
         except Exception:
             await abort(e)
             raise
@@ -138,9 +155,9 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if members.group is not None:  # servers on shared memory already know where the version is
         wired = {u: f for u, f in posted.items() if u not in members.shared}
         try:
-            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines,
+            broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, frames,
                                       wired if ranks.world == 1 else None, background, delta)
-            broken = _finish_data_path(members, plan, broken, crcs, deadlines)
+            broken = _finish_data_path(members, plan, broken, crcs, deadlines, frames)
         except TrainerRankLost:
             # Another trainer rank is gone: its buckets will never come. The dropped group fails every
             # server's update at once (each is aborted: it keeps serving its last complete version).
@@ -180,13 +197,16 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
     for e in engines:  # the baseline of each server's next delta: what it committed of this sync, and only that
-        if result.server_versions.get(e.url) == version:
+        if adapter is None and result.server_versions.get(e.url) == version:
             members.baselines[e.url] = version
         else:
             members.baselines.pop(e.url, None)
-    result.switch_s = {e.url: e.last_switch_s for e in took
-                       if e.url in result.server_versions and e.last_switch_s is not None}
-    members.server_versions.update(result.server_versions)
+    if adapter is None:
+        result.switch_s = {e.url: e.last_switch_s for e in took
+                           if e.url in result.server_versions and e.last_switch_s is not None}
+        members.server_versions.update(result.server_versions)
+    for url in result.server_versions:
+        members.refusing.pop(url, None)
     if members.pool is not None:
         for e in took:
             if e.url in members.shared and e.url in result.server_versions:
@@ -197,6 +217,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     for url, err in failures.items():
         if url not in unreachable:
             members.metrics.event("refused", url, version, str(err))
+            if LAYOUT_REFUSED in str(err):  # every later version of this plan would be refused too
+                members.refusing[url] = str(err)
     for url in unreachable:
         members.evict(url, result.failures[url])
         if members.pool is not None and url in requests:
@@ -207,6 +229,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.finished = time.perf_counter()
     result.total_s = result.finished - result.started
     ranks.from_leader(("done", result))
+    if adapter is not None:  # the trainer ranks are released: no collective waits on a load
+        adapter.offer([e for e in took if e.url in result.server_versions], version, members.server_versions)
     return result
 
 
@@ -290,6 +314,7 @@ class VersionPlan:
 
     version: int
     deadlines: tuple[float, ...]  # per bucket, as sent to the servers
+    frames: VersionFrames         # what each bucket's frame header carries
 
 
 def owner_of(source: BucketSource, bucket: Bucket) -> int:
@@ -307,7 +332,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
     (_, announced) = follower.until("version")
     failed: PackFailed | None = None
     if announced is not None and follower.group is not None:
-        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, None)
+        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames, None)
         ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
@@ -319,7 +344,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
 
 
 def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackFailed | None,
-                      crcs: dict[int, Any], deadlines: tuple[float, ...]) -> str | PackFailed | None:
+                      crcs: dict[int, Any], deadlines: tuple[float, ...], frames: VersionFrames) -> str | PackFailed | None:
     """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest."""
     ranks = members.ranks
     if ranks.world > 1:
@@ -330,7 +355,7 @@ def _finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackF
             crcs.update(theirs)
     if broken is None and members.config.checksum:
         try:
-            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines))
+            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines), frames)
         except DataPlaneError as e:
             broken = str(e)
     if broken is not None and not isinstance(broken, PackFailed):
@@ -351,7 +376,7 @@ def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
 
 
 def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
-               result: SyncResult | None, deadlines: tuple[float, ...],
+               result: SyncResult | None, deadlines: tuple[float, ...], frames: VersionFrames,
                posted: dict[str, concurrent.futures.Future[Any]] | None,
                background: frozenset[str] = frozenset(),
                delta: DeltaVersion | None = None) -> tuple[str | PackFailed | None, dict[int, Any]]:
@@ -411,7 +436,7 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         if buf is None or stopped is not None:
             continue
         try:
-            works[i] = group.broadcast_async(buf, deadlines[i])
+            works[i] = group.broadcast_async(buf, deadlines[i], frames.header(i, buf))
         except DataPlaneError as e:
             stopped = str(e)
             continue

@@ -15,9 +15,9 @@ bucket crosses only from its owner to the servers. SGLang joins one group: its b
     layout = GroupLayout.of(config, engines, world_sizes, runtime, sources)
     # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
     groups = layout.join(rank)                # rank 0 of this trainer rank's groups, once all joined
-    works = groups.broadcast_async(bucket)    # into every group
-    groups.wait(works)
-    groups.broadcast_checksums(crcs)          # only to the groups whose protocol expects them
+    works = groups.broadcast_async(bucket, header=frames.header(i, bucket))  # into every group (the header:
+    groups.wait(works)                                                       # only where the protocol is framed)
+    groups.broadcast_checksums(crcs, frames=frames)  # only to the groups whose protocol expects them
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.protocol.device import Runtime
+from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import DataPlaneGroup, free_port, resolve_backend
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import DataPlaneProtocol, EngineClient
@@ -122,35 +123,52 @@ class TrainerGroups:
         """(receiver protocol, world size) of each group, for logs and tests."""
         return [(protocol.name, group.spec.world_size) for protocol, group in self._groups]
 
-    def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> list[Any]:
-        """Start broadcasting ``tensor`` into every group (each with deadline ``timeout_s``); pass
-        the result to ``wait``."""
+    def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None,
+                        header: FrameHeader | None = None) -> list[Any]:
+        """Start broadcasting ``tensor`` into every group (each with deadline ``timeout_s``), after
+        ``header`` in the groups whose protocol is framed (``protocol.frames``: every payload of a
+        version has one, whose length the caller took from ``tensor``); pass the result to ``wait``."""
+        framed = None
         works: list[Any] = []
-        for _, group in self._groups:
+        for protocol, group in self._groups:
             if id(group) in self._cold:
                 if self.runtime.kind == "cuda":
                     for pending in [*self._pending, works]:
                         self.wait(pending)
                 self._cold.discard(id(group))
-            works.append(group.broadcast_async(tensor, timeout_s))
+            ops = []
+            if protocol.framed:
+                assert header is not None, f"a payload to {protocol.name} receivers needs its frame header"
+                framed = framed if framed is not None else self.runtime.upload(header.tensor())
+                ops.append(group.broadcast_async(framed, timeout_s))
+            ops.append(group.broadcast_async(tensor, timeout_s))
+            works.append(ops)
         self._pending.append(works)
         return works
 
     def wait(self, works: list[Any]) -> None:
-        """Until every group's broadcast of one tensor is done; ``DataPlaneError`` at a group's deadline."""
-        for (_, group), work in zip(self._groups, works):
-            group.wait(work)
+        """Until every group's broadcast of one tensor (and its header) is done; ``DataPlaneError`` at a
+        group's deadline."""
+        for (_, group), ops in zip(self._groups, works):
+            for work in reversed(ops):  # the payload's first: a stream then waits once, for the whole frame
+                group.wait(work)
         self._pending = [p for p in self._pending if p is not works]
 
-    def broadcast_checksums(self, crcs: list[int | torch.Tensor], timeout_s: float | None = None) -> None:
+    def broadcast_checksums(self, crcs: list[int | torch.Tensor], timeout_s: float | None = None,
+                            frames: VersionFrames | None = None) -> None:
         """The CRC32C manifest of a version (ints, or 0-dim device tensors left by a device pack
-        backend, which stay on the device), to the groups whose receivers verify it."""
+        backend, which stay on the device), to the groups whose receivers verify it: the version's
+        last frame (index ``len(crcs)``) where the protocol is framed."""
         if crcs and isinstance(crcs[0], torch.Tensor):
             manifest = torch.stack([c.to(torch.int64) for c in crcs])
         else:
             manifest = self.runtime.upload(torch.tensor(crcs, dtype=torch.int64))
+        header = frames.header(len(crcs), manifest) if frames is not None else None
         for protocol, group in self._groups:
             if protocol.checksum_manifest:
+                if protocol.framed:
+                    assert header is not None, f"the manifest to {protocol.name} receivers needs its frame header"
+                    group.broadcast(self.runtime.upload(header.tensor()), timeout_s)
                 group.broadcast(manifest, timeout_s)
 
     def close(self, broken: bool = False) -> None:

@@ -40,7 +40,6 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, conftest
 
-from asyncsync.packing.checks import memory_problem  # noqa: E402
 from asyncsync.packing.cuda import launch_table  # noqa: E402
 from asyncsync.packing.native import CppPackBackend  # noqa: E402
 from asyncsync.packing.torch_backend import TorchPackBackend  # noqa: E402

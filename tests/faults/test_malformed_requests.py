@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -116,5 +118,73 @@ async def test_token_required_when_configured(model):
         assert bad.status == 401
         good = await client.get("/version", headers={"Authorization": "Bearer s3cret"})
         assert good.status == 200 and (await good.json())["version"] == 0
+    finally:
+        await client.close()
+
+
+BUCKET = b'{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "nbytes": 4}'
+GROUP = b'{"host": "127.0.0.1", "port": 5000, "world_size": 2, "group_name": %s, "backend": "gloo", "timeout_s": %s}'
+SHM = b'{"segment": "asyncsync-1-ab-0", "offsets": [4], "crcs": [1], "host": {"boot_id": "b", "shm_dev": 1}}'
+
+
+@pytest.mark.parametrize(
+    "path, body, headers, says",
+    [
+        ("/begin", b"[" * 10000 + b"]" * 10000, {}, "not valid JSON"),
+        ("/begin", b'{"version": 1}', {"Content-Type": "application/json; charset=klingon"}, "not valid JSON"),
+        ("/begin", b'{"version": 1}', {"X-Asyncsync-Session": "a\tb"}, "X-Asyncsync-Session"),
+        ("/init_group", b'{"rank_offset": 1, "protocol": 2, "group": %s}' % (GROUP % (b'"g"', b"NaN")), {}, "timeout_s"),
+        ("/init_group", b'{"rank_offset": 1, "protocol": 2, "group": %s}' % (GROUP % (b'"g\\ud800"', b"1")), {},
+         "group_name"),
+        ("/update", b'{"version": 1, "checksum": false, "deadlines_s": [Infinity], "buckets": [%s]}' % BUCKET, {},
+         "deadlines_s"),
+        ("/update", b'{"version": 1, "checksum": true, "buckets": [%s], "shm": %s}' % (BUCKET, SHM), {}, "multiple of 64"),
+        ("/update", b'{"version": 1, "checksum": false, "buckets": [{"names": ["a"], "dtypes": ["float32"], '
+                    b'"shapes": [[4611686018427387904, 4611686018427387904]], "nbytes": 4}]}', {}, "nbytes"),
+        ("/generate", b'{"prompt": [1], "temperature": 1e-300}', {}, "temperature"),
+        ("/generate", b'{"prompt": [1], "temperature": NaN}', {}, "temperature"),
+        ("/generate", b'{"prompt": [1], "seed": 18446744073709551616}', {}, "seed"),
+        ("/generate", b'{"prompt": [' + b"1, " * 299_999 + b"1]}", {}, "prompt"),
+        ("/generate", b'{"prompt": [1, 2], "max_new_tokens": 511}', {}, "max_new_tokens"),
+    ],
+    ids=["nested-10000-deep", "unknown-charset", "control-char-session", "nan-timeout", "lone-surrogate-group",
+         "infinite-deadline", "misaligned-shm", "overflowing-shape", "temperature-1e-300", "temperature-nan",
+         "seed-2**64", "prompt-300000-tokens", "past-the-context"],
+)
+async def test_the_issues_500s_are_400s_now(model, path, body, headers, says):
+    """Each of these answered 500 (or tried to allocate 90 GB) before: now a 400 whose short message
+    names the field, and the server keeps generating."""
+    client = await client_for(model)
+    try:
+        resp = await client.post(path, data=body, headers={"Content-Type": "application/json", **headers})
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+        assert says in error and len(error) <= 600, error
+        ok = await client.post("/generate", json={"prompt": [1], "max_new_tokens": 2})
+        assert ok.status == 200
+    finally:
+        await client.close()
+
+
+async def test_a_credential_that_is_not_utf8_is_a_401(model):
+    client = await client_for(model, token="s3cret")
+    try:
+        host, port = client.server.host, client.server.port
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    finally:
+        await client.close()
+
+
+async def test_a_50_mb_field_gets_a_short_answer(model):
+    """/claim used to echo the whole input: a 50 MB session came back as a 50 MB answer."""
+    client = await client_for(model)
+    try:
+        resp = await client.post("/claim", json={"session": "s" * 50_000_000})
+        assert resp.status == 400 and len(await resp.read()) < 1000
     finally:
         await client.close()

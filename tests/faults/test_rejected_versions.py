@@ -83,8 +83,8 @@ def refused(result: SyncResult, url: str, reason: str) -> bool:
     "bad, reason",
     [
         ({"flip_a_byte": True}, "checksum mismatch"),
-        ({"edit": transpose_a_matrix}, "expected"),
-        ({"edit": rename_first}, "unknown tensor 'no.such.tensor'"),
+        ({"edit": transpose_a_matrix}, "1 tensor(s) with another dtype or shape, e.g. "),
+        ({"edit": rename_first}, "1 tensor(s) sent that it does not load, e.g. 'no.such.tensor'"),  # before its broadcast
     ],
     ids=["corrupt-bytes", "wrong-shape", "unknown-name"],
 )

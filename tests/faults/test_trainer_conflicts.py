@@ -4,6 +4,7 @@ crashed or hung trainer hands its servers on (at once, at once, after the lease)
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -183,11 +184,11 @@ def test_a_hung_trainer_loses_its_server_after_the_lease_and_takeover_is_explici
 
 
 TRAINER = """
-import sys, time
-import torch
+import json, sys, time
 from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync.models import ModelConfig, build_model
 sync = WeightSync(WeightSyncConfig.from_dict({"servers": [sys.argv[1]], "pack_backend": "torch"}))
-sync.connect({"w": torch.zeros(4)})  # owns the server from here; what it would send does not matter
+sync.connect(build_model(ModelConfig(**json.loads(sys.argv[2]))))  # owns the server from here
 print(sync.session, flush=True)
 time.sleep(600)
 """
@@ -197,7 +198,7 @@ def test_a_killed_trainer_hands_its_servers_on_at_once():
     """kill -9 of the owner: its rendezvous store dies with it, so the next trainer is admitted
     without waiting for the lease (120 s here)."""
     with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
-        proc = subprocess.Popen([sys.executable, "-c", TRAINER, server.url], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-c", TRAINER, server.url, json.dumps(TINY.to_dict())], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:

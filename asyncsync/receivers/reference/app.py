@@ -4,12 +4,15 @@ Routes (JSON in and out)::
 
     GET  /health            {"status": "ok", "version": v}
     GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
-    GET  /world_size        {"world_size": 1}     data-plane ranks this server needs
+    GET  /world_size        {"world_size": 1, "protocol": 2}   data-plane ranks this server needs, and the
+                            data-plane protocol it speaks (``protocol.wire.PROTOCOL_VERSION``)
     GET  /host              {"host": {"boot_id", "shm_dev"} | null}   whose shared memory it sees
     GET  /weights/digest    {"version": v, "digest": {name: sha256}}
     GET  /weights/names     {"names": [...]}       the tensor names every version must carry
     POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
-                            -> {"completions": [[ids]], "weight_version": v}
+                            -> {"completions": [[ids]], "weight_version": v}; the prompt and the new
+                            tokens fit the model's context, temperature is 0 (greedy) or at least
+                            MIN_TEMPERATURE, seed in [0, 2**63)
     POST /claim             ClaimRequest -> {"ok": true, "owner": session}   (423 if another trainer owns it)
     POST /release           -> {"released": bool}   the calling trainer session is done with this server
     POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
@@ -20,6 +23,10 @@ Routes (JSON in and out)::
                             the staged version in; generation was held s seconds for the swap;
                             ``holds``: the trainer's segments the live weights map
 
+LoRA adapters (``lora: adapter``: /check_adapter, /check_base, /update_adapter, /end_adapter,
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/models; ``/generate`` takes ``"adapter":
+"<name>-v<N>"``) are in ``asyncsync.receivers.reference.adapters``.
+
 One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
 its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
 another session than the owner are answered 423 until the owner is gone (released, its rendezvous
@@ -29,17 +36,27 @@ It also speaks SGLang 0.5.23's weight-update API (``asyncsync.receivers.referenc
 address it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang 0.5.20 (no update sessions).
 
 Data-plane work runs on one dedicated thread and generation on another, so the server keeps
-generating with the old weights while a new version streams in.
+generating with the old weights while a new version streams in. Every data-plane call ends by its
+own deadline however the trainer behaves (a rendezvous by the group's ``timeout_s``, a receive by its
+buckets' deadlines); a call queued behind a stalled one waits at most ``WEIGHT_QUEUE_S`` to start
+(then 503, and it never runs), so a stall never holds the owner's ``/end`` longer than that or the
+stalled call's own deadline; a new ``/init_group`` (or ``/init_weights_update_group``) or a
+``/release`` abandons a rendezvous still in progress at once, and ``/release`` never queues.
+
+A request that fails is answered with a 4xx and ``{"error": message}`` (SGLang's routes: SGLang's
+error bodies), the message cut to ``wire.MAX_ERROR_CHARS``; a data-plane failure (a group that could not
+form, a broadcast that missed its deadline) is a 503. No request's input makes the server answer 500
+or exit (``tests/faults/test_route_fuzz.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import random
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,13 +67,16 @@ from aiohttp import web
 
 from asyncsync.models import generate
 from asyncsync.protocol.background import enter_background_thread
-from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.group import Abandoner, DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, check_name, parse_version_name
 from asyncsync.protocol.wire import (
-    OWNED_STATUS, SESSION_HEADER, ClaimRequest, InitGroupRequest, UpdateRequest, VersionRequest, WireError,
+    MAX_SESSION_CHARS, OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, InitGroupRequest, LayoutCheck,
+    UpdateRequest, VersionRequest, WireError, sane_text, short, shown,
 )
+from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.transport.control import new_event_loop
@@ -65,15 +85,22 @@ log = logging.getLogger(__name__)
 
 MAX_NEW_TOKENS = 4096
 MAX_SAMPLES = 256
+# Below this a temperature turns logits into infinities (softmax of logits / 1e-300): 0 means greedy.
+MIN_TEMPERATURE = 1e-2
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 SGLANG_GROUP_TIMEOUT_S = 120.0  # SGLang's own requests carry no timeout for the weight-update group
 # A trainer that made no call for this long while its store still answers (hung) loses the server to
 # the next claim: the collective deadline's default, past which its broadcasts would fail anyway.
 TRAINER_LEASE_S = 120.0
+# A data-plane call waits at most this long to start on the data-plane thread (503 after), so a call
+# stalled on a silent peer never holds the ones behind it for longer, whatever its own deadline.
+WEIGHT_QUEUE_S = 10.0
 # Calls that change what the server receives or serves: only the owning trainer session may make them.
 WEIGHT_ROUTES = frozenset({
     "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
-    "/continue_generation",
+    "/continue_generation", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/load_lora_adapter", "/unload_lora_adapter",
 })
 SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
 SWEEPER = web.AppKey("sweeper", asyncio.Task)
@@ -99,20 +126,28 @@ class ReferenceServer:
     """Holds the model, the receiver and the two worker threads behind the routes."""
 
     def __init__(self, model: torch.nn.Module, token: str | None = None, faults: Faults = Faults(),
-                 sglang_sessions: bool = True, trainer_lease_s: float = TRAINER_LEASE_S):
+                 sglang_sessions: bool = True, trainer_lease_s: float = TRAINER_LEASE_S,
+                 max_version_bytes: int | None = None):
         self.model = model
         self.token = token
         self.faults = faults
         self.owners = TrainerOwnership(trainer_lease_s)
         self.serve_lock = threading.Lock()
-        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock)
+        self.context = int(model.config.max_position_embeddings)  # the most tokens a prompt and its completion hold
+        # A newer /init_group or a /release gives up a rendezvous still in progress (a silent peer).
+        self.joins = Abandoner()
+        self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock,
+                                       model=model, max_version_bytes=max_version_bytes, abandoner=self.joins)
+        self.adapters = ServedAdapters(model, self.receiver, self.serve_lock)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
         # at a lower CPU priority than generation (and so do the threads of the groups it creates).
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-recv", initializer=enter_background_thread,
                                         initargs=(self.receiver.runtime,))
         self._gen = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gen")
-        self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S),
-                                functools.partial(self._run, self._comm), model_info(model, sglang_sessions), sglang_sessions)
+        self._busy: tuple[str, float] | None = None  # the data-plane call running, and since when
+        self.sglang = SglangApi(ReceiverScheduler(self.receiver, sglang_sessions, SGLANG_GROUP_TIMEOUT_S, self.joins),
+                                self._data_plane, model_info(model, sglang_sessions), sglang_sessions,
+                                on_join=self.joins.abandon, adapters=self.adapters)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],
@@ -120,10 +155,14 @@ class ReferenceServer:
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/host", self.host), web.get("/weights/digest", self.digest),
-            web.get("/weights/names", self.names),
+            web.get("/weights/names", self.names), web.post("/check_layout", self.check_layout),
             web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
             web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
+            web.post("/check_adapter", self.check_adapter), web.post("/check_base", self.check_base),
+            web.post("/update_adapter", self.update_adapter), web.post("/end_adapter", self.end_adapter),
+            web.post("/v1/load_lora_adapter", self.load_adapter), web.post("/v1/unload_lora_adapter", self.unload_adapter),
+            web.get("/v1/models", self.list_models),
             *self.sglang.routes(),
         ])
         app.on_startup.append(self._start_sweeping)
@@ -145,6 +184,7 @@ class ReferenceServer:
     async def _close(self, app: web.Application) -> None:
         app[SWEEPER].cancel()
         self.sglang.close()
+        self.adapters.close()
         self.receiver.close()
         self._comm.shutdown(wait=False, cancel_futures=True)
         self._gen.shutdown(wait=False, cancel_futures=True)
@@ -152,8 +192,9 @@ class ReferenceServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.token is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            # aiohttp decodes header bytes that are not UTF-8 as surrogates: compared as the bytes sent
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
                 return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
         return await handler(request)
 
@@ -187,9 +228,43 @@ class ReferenceServer:
             return _error(503, str(e))
         except OwnedByAnotherTrainer as e:
             return _error(OWNED_STATUS, str(e))
+        except web.HTTPRequestEntityTooLarge as e:
+            return _error(413, f"the body is larger than this server takes ({e.reason}): send a smaller request")
+        except AdapterNotFound as e:
+            return _error(404, short(str(e)))
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def _data_plane(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the data-plane thread, after the calls queued before it. A call that cannot
+        start within ``WEIGHT_QUEUE_S`` (one before it is stalled on a silent peer until its own
+        deadline) never runs: ``DataPlaneError`` (503) names the call that holds the thread."""
+        lock, state = threading.Lock(), {"started": False, "dropped": False}
+
+        def run() -> Any:
+            with lock:
+                if state["dropped"]:
+                    return None
+                state["started"] = True
+            self._busy = (getattr(fn, "__name__", "a call"), time.monotonic())
+            try:
+                return fn(*args)
+            finally:
+                self._busy = None
+
+        future = asyncio.get_running_loop().run_in_executor(self._comm, run)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), WEIGHT_QUEUE_S)
+        except asyncio.TimeoutError:
+            with lock:
+                if not state["started"]:
+                    state["dropped"] = True
+                    what, since = self._busy or ("another call", time.monotonic())
+                    raise DataPlaneError(f"could not start within {WEIGHT_QUEUE_S:.0f}s: the data-plane thread is busy "
+                                         f"with {what} for {time.monotonic() - since:.1f}s (it ends by its own "
+                                         "deadline, or at once on a new /init_group); retry") from None
+            return await future
 
     async def health(self, _r: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": self.receiver.version})
@@ -198,7 +273,7 @@ class ReferenceServer:
         return web.json_response({"version": self.receiver.version, "applied": list(self.receiver.applied)})
 
     async def world_size(self, _r: web.Request) -> web.Response:
-        return web.json_response({"world_size": 1})
+        return web.json_response({"world_size": 1, "protocol": PROTOCOL_VERSION})
 
     async def host(self, _r: web.Request) -> web.Response:
         here = HostIdentity.here()
@@ -211,25 +286,38 @@ class ReferenceServer:
     async def names(self, _r: web.Request) -> web.Response:
         return web.json_response({"names": self.receiver.expected_names})
 
+    async def check_layout(self, request: web.Request) -> web.Response:
+        """409 naming the differences unless a trainer's plan sends exactly the tensors served."""
+        self.receiver.stager.check_layout(LayoutCheck.from_json(await _json(request)))
+        return web.json_response({"ok": True})
+
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json(request)
         prompt = body.get("prompt")
         vocab = self.model.config.vocab_size
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise WireError(f"generate.prompt: expected a non-empty list of token ids in [0, {vocab})")
-        max_new = _int(body, "max_new_tokens", 16, 0, MAX_NEW_TOKENS)
+        context = self.context
+        if not isinstance(prompt, list) or not 0 < len(prompt) <= context or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise WireError(f"generate.prompt: expected a list of 1 to {context} token ids in [0, {vocab})")
+        max_new = _int(body, "max_new_tokens", 16, 0, min(MAX_NEW_TOKENS, context - len(prompt)))
         n = _int(body, "n", 1, 1, MAX_SAMPLES)
         temperature = body.get("temperature", 0.0)
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise WireError("generate.temperature: expected a number >= 0")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or \
+                not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 1e6):
+            raise WireError(f"generate.temperature: expected 0 (greedy) or a number in [{MIN_TEMPERATURE}, 1e6], "
+                            f"got {shown(temperature)}")
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise WireError("generate.seed: expected an integer or null")
+        if seed is not None:
+            _int(body, "seed", 0, 0, MAX_SEED)
+        adapter = body.get("adapter")
+        if adapter is not None:
+            check_name(adapter, "generate.adapter")  # the name of a loaded adapter (<name>-v<N>)
 
         def run() -> tuple[list[list[int]], int]:
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            with self.serve_lock:  # one version for the whole request
-                return generate(self.model, prompt, max_new, n, float(temperature), gen), self.receiver.version
+            with self.serve_lock, self.adapters.active(adapter):  # one version for the whole request
+                version = self.receiver.version if adapter is None else parse_version_name(adapter)
+                return generate(self.model, prompt, max_new, n, float(temperature), gen), version or 0
 
         completions, version = await self._run(self._gen, run)
         return web.json_response({"completions": completions, "weight_version": version})
@@ -240,11 +328,15 @@ class ReferenceServer:
         return web.json_response({"ok": True, "owner": req.session})
 
     async def release(self, request: web.Request) -> web.Response:
-        return web.json_response({"released": self.owners.release(_session(request))})
+        released = self.owners.release(_session(request))
+        if released:
+            self.joins.abandon()  # a rendezvous of the released owner's still in progress ends now
+        return web.json_response({"released": released})
 
     async def init_group(self, request: web.Request) -> web.Response:
         req = InitGroupRequest.from_json(await _json(request))
-        await self._run(self._comm, self.receiver.join, req.groups, req.rank_offset)
+        self.joins.abandon()  # the trainer wants this group now: a join still hanging on an older one ends
+        await self._data_plane(self.receiver.join, req.groups, req.rank_offset)
         self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 
@@ -256,28 +348,69 @@ class ReferenceServer:
 
     async def update(self, request: web.Request) -> web.Response:
         req = UpdateRequest.from_json(await _json(request))
-        await self._run(self._comm, self.receiver.receive, req)
+        await self._data_plane(self.receiver.receive, req)
         return web.json_response({"ok": True, "version": req.version})
+
+    async def check_adapter(self, request: web.Request) -> web.Response:
+        self.adapters.check(AdapterCheck.from_json(await _json(request)))
+        return web.json_response({"ok": True})
+
+    async def check_base(self, request: web.Request) -> web.Response:
+        check = BaseCheck.from_json(await _json(request))
+        await self._run(self._gen, self.adapters.check_base, check)
+        return web.json_response({"ok": True})
+
+    async def update_adapter(self, request: web.Request) -> web.Response:
+        update = AdapterUpdate.from_json(await _json(request))
+        await self._run(self._comm, self.adapters.receive, update)
+        return web.json_response({"ok": True, "version": update.update.version})
+
+    async def end_adapter(self, request: web.Request) -> web.Response:
+        req = VersionRequest.from_json(await _json(request), "end_adapter")
+        return web.json_response({"path": await self._run(self._comm, self.adapters.write, req.version)})
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise WireError("Both 'lora_name' and 'lora_path' must be provided.")
+        await self._run(self._gen, self.adapters.load, name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        name = (await _json(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise WireError("'lora_name' needs to be provided to unload a LoRA adapter.")
+        await self._run(self._gen, self.adapters.unload, name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def list_models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self.adapters.models()})
 
     async def end(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end")
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
-        version = await self._run(self._comm, self.receiver.commit, req.version)
+        version = await self._data_plane(self.receiver.commit, req.version)
         return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
                                   "holds": list(self.receiver.holds)})
 
 
 def _session(request: web.Request) -> str:
-    """The calling trainer's session ("" for callers that send none)."""
-    return request.headers.get(SESSION_HEADER, "")
+    """The calling trainer's session ("" for callers that send none); ``WireError`` for a value no
+    trainer sends (``ClaimRequest``'s rule)."""
+    session = request.headers.get(SESSION_HEADER, "")
+    if session and not sane_text(session, MAX_SESSION_CHARS):
+        raise WireError(f"{SESSION_HEADER}: expected a printable string of 1 to {MAX_SESSION_CHARS} characters, "
+                        f"got {shown(session)}")
+    return session
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except ValueError:
-        raise WireError(f"{request.path}: the body is not valid JSON") from None
+    except (ValueError, RecursionError, LookupError):  # bad JSON or UTF-8, nested too deep, unknown charset
+        raise WireError(f"{request.path}: the body is not valid JSON (UTF-8, nested at most ~1000 deep)") from None
     if not isinstance(body, dict):
         raise WireError(f"{request.path}: expected a JSON object, got {type(body).__name__}")
     return body
@@ -286,16 +419,16 @@ async def _json(request: web.Request) -> dict[str, Any]:
 def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     v = body.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise WireError(f"generate.{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+        raise WireError(f"generate.{key}: expected an integer in [{lo}, {hi}], got {shown(v)}")
     return v
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return web.json_response({"error": short(message)}, status=status)
 
 
 def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults(),
-               trainer_lease_s: float = TRAINER_LEASE_S) -> None:
+               trainer_lease_s: float = TRAINER_LEASE_S, max_version_bytes: int | None = None) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
-    app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s).app()
+    app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s, max_version_bytes=max_version_bytes).app()
     web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

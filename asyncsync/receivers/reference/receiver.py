@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from asyncsync.checkpoint import CheckpointStage, Conversion, is_transformers_model, meta_tensors, to_memory
 from asyncsync.protocol.device import runtime_for
-from asyncsync.protocol.group import DataPlaneGroup
-from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
@@ -26,21 +26,36 @@ class WeightReceiver:
 
         receiver.join(spec, rank)
         for version in updates:
-            receiver.receive(request)      # takes part in every broadcast, even for a bad request
+            receiver.receive(request)      # takes part in every broadcast, even of a bad version (but one
+                                           # naming unknown tensors or past the budget: none, it leaves the group)
             receiver.commit(version)       # live tensors become views of the received buffers
 
     SGLang's protocol sends a version one bucket per request instead: ``receive_bucket`` for each,
     then ``seal`` with the version, then ``commit``. Either way bytes land directly in the buffers the
     model will use (no unpack copy), and the buffers backing the live weights are never received into.
+
+    Versions carry the checkpoint layout, as for every engine (``asyncsync.checkpoint``); tensors the
+    model holds in another layout (a transformers-5 MoE's fused experts) are built from their
+    checkpoint tensors at ``commit`` by transformers' own load conversion: a copy of those groups,
+    the only bytes that are not swapped in from the buffers themselves.
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0):
+    def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0,
+                 model: torch.nn.Module | None = None, max_version_bytes: int | None = None,
+                 abandoner: Abandoner | None = None):
         self._live = dict(weights)
         self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
         self.version = version
         self.applied: deque[int] = deque(maxlen=256)  # recent versions swapped in, for operators and tests
-        self.stager = BucketStager({n: TensorSpec.of(n, t) for n, t in self._live.items()}, "/init_group", self.runtime)
+        # Versions arrive in the checkpoint layout every engine loads (``asyncsync.checkpoint``): for a
+        # transformers model, which of its tensors each checkpoint tensor comes from.
+        self.model = model
+        stages = [CheckpointStage(model)] if model is not None and is_transformers_model(model) else []
+        self.groups = Conversion(stages).plan(meta_tensors(self._live))
+        specs = {t.name: t for g in self.groups for t in g.targets}
+        self.stager = BucketStager(specs, "/init_group", self.runtime, max_version_bytes=max_version_bytes,
+                                   abandoner=abandoner)
         self._staged: StagedVersion | None = None
         self.last_switch_s = 0.0  # how long the last commit held generation (``serve_lock``)
 
@@ -87,10 +102,17 @@ class WeightReceiver:
         if staged is None or staged.version != version:
             have = staged.version if staged else None
             raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
+        views = dict(staged.tensors())
         with self.serve_lock, torch.no_grad():
             start = time.perf_counter()
-            for name, view in staged.tensors():
-                self._live[name].set_(view)  # the live tensor now aliases its bytes in the buffer
+            for group in self.groups:
+                if group.renamed:  # the live tensor now aliases its bytes in the buffer
+                    self._live[group.sources[0]].set_(views[group.targets[0].name])
+                    continue
+                assert self.model is not None
+                made = to_memory(self.model, {n: views[n] for n in group.target_names})  # transformers' load
+                for name in group.sources:
+                    self._live[name].set_(made[name])
             self.version = version
             self.applied.append(version)
             self.stager.mark_live(staged)
@@ -102,7 +124,17 @@ class WeightReceiver:
         """The served version and the SHA-256 of every live tensor's bytes, taken together: compares
         weights bit for bit without shipping them."""
         with self.serve_lock:
-            return self.version, {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self._live.items()}
+            return self.version, {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self.served().items()}
+
+    def served(self) -> dict[str, torch.Tensor]:
+        """The live weights in the checkpoint layout versions arrive in (converted groups as copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for group in self.groups:
+            if group.renamed:
+                out[group.targets[0].name] = self._live[group.sources[0]]
+            else:
+                out.update(Conversion([CheckpointStage(self.model)]).apply({n: self._live[n] for n in group.sources}))
+        return out
 
     def close(self) -> None:
         self.stager.close()

@@ -17,6 +17,8 @@ of the weight routes (``ReceiverScheduler`` below)::
     GET  /model_info, /get_model_info      200 {..., "weight_version": the live version}
     GET  /server_info, /get_server_info    200 {the start-up arguments: tp_size, dp_size, ..., "weight_version"}
     GET  /ready                            200, or 503 while generation is paused (empty bodies)
+    POST /load_lora_adapter                200/400 {"success", "error_message", "loaded_adapters"}
+    POST /unload_lora_adapter              200/400 {"success", "error_message", "loaded_adapters"}
     GET  /get_weight_version               404 {"detail": "Not Found"} (0.5.21+; 0.5.20 answers its
                                            deprecation 404 {"object": "error", ...})
 
@@ -31,17 +33,25 @@ Where the reference server departs from SGLang, on purpose:
 * a version is applied whole when the bucket carrying ``weight_version`` arrives, and only then
   (SGLang loads each bucket as it comes); a bucket refused after its broadcast is answered with
   SGLang's load-failure message, though here the served weights are untouched;
+* nothing is allocated for a bucket that names a tensor the model does not have or that would take
+  the version past the server's staging budget (``BucketStager.max_version_bytes``): it is refused
+  before its broadcast, with SGLang's receive-failure message (SGLang receives it, then refuses);
+* a message longer than ``wire.MAX_ERROR_CHARS`` is cut there, and a validation error quotes at most
+  ``ECHO_CHARS`` of each input (SGLang quotes it whole);
 * only ``load_format="flattened_bucket"`` is received (the per-tensor path is refused before any
   broadcast, with SGLang's receive-failure message), and an empty ``group_name`` is refused (SGLang's
   scheduler process dies on it);
 * a group name the server already holds is refused before the rendezvous (SGLang refuses it with the
   same message after the rendezvous, when torch registers the name);
 * the bearer token check and ``/health`` are the reference server's own, and ``/generate`` speaks
-  the reference server's API, not SGLang's.
+  the reference server's API, not SGLang's;
+* the LoRA routes load and unload the reference server's own adapters (``adapters.ServedAdapters``:
+  PEFT); ``/server_info`` says LoRA is enabled, with no rank or target limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -49,14 +59,15 @@ from typing import Any, Protocol, TypeVar
 import torch
 from aiohttp import web
 
-from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
 from asyncsync.protocol.sglang import (
     FLATTENED_BUCKET, GROUP_CREATED, GROUP_DESTROYED, NO_GROUP_TO_DESTROY, NO_SESSION, NO_SESSION_TO_END, RECEIVE_FAILED,
     SESSION_OPEN, SGLANG_RELEASE, UPDATED, BeginWeightUpdate, ContinueGeneration, DestroyWeightsUpdateGroup,
-    EndWeightUpdate, InitWeightsUpdateGroup, PauseGeneration, RequestInvalid, SglangRequest,
-    UpdateWeightsFromDistributed, group_missing, load_failure,
+    EndWeightUpdate, InitWeightsUpdateGroup, LoadLoraAdapter, PauseGeneration, RequestInvalid, SglangRequest,
+    UnloadLoraAdapter, UpdateWeightsFromDistributed, group_missing, load_failure,
 )
-from asyncsync.protocol.wire import WireError
+from asyncsync.protocol.staging import BucketRefused
+from asyncsync.protocol.wire import MAX_VERSION, WireError, short, shown
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -88,10 +99,12 @@ class ReceiverScheduler:
     checks in the same order and the same answers. Whatever SGLang refuses before its receive is
     refused here before any broadcast; everything else is refused only after the bucket arrived."""
 
-    def __init__(self, receiver: WeightReceiver, sessions: bool, group_timeout_s: float):
+    def __init__(self, receiver: WeightReceiver, sessions: bool, group_timeout_s: float,
+                 abandoner: Abandoner | None = None):
         self.receiver = receiver
         self.sessions = sessions
         self.group_timeout_s = group_timeout_s
+        self.abandoner = abandoner  # the server's: a newer join or a release gives up a hanging rendezvous
         self.groups: dict[str, DataPlaneGroup] = {}
         self.session_open = False
 
@@ -103,7 +116,8 @@ class ReceiverScheduler:
                            "created, please use a different group name.")
         try:
             self.groups[req.group_name] = DataPlaneGroup.join(req.spec(self.group_timeout_s), req.rank_offset,
-                                                              self.receiver.runtime, warmup=False)
+                                                              self.receiver.runtime, warmup=False,
+                                                              abandoner=self.abandoner)
         except (WireError, DataPlaneError) as e:
             return False, f"Failed to initialize custom process group: {e}."
         return True, GROUP_CREATED
@@ -140,6 +154,9 @@ class ReceiverScheduler:
                 raise ValueError(f"load_format {req.load_format!r}: the reference server receives only "
                                  f"'{FLATTENED_BUCKET}' buckets")
             nbytes = req.flattened_nbytes()
+            if nbytes > self.receiver.stager.max_version_bytes:  # nothing is allocated for it
+                raise ValueError(f"a bucket of {nbytes} bytes is more than this server's staging budget of "
+                                 f"{self.receiver.stager.max_version_bytes}")
         except Exception as e:
             return False, f"{RECEIVE_FAILED}{e}"
         try:
@@ -148,7 +165,7 @@ class ReceiverScheduler:
                 version = _int_version(req.weight_version)
                 self.receiver.seal(version)
                 self.receiver.commit(version)
-        except DataPlaneError as e:
+        except (DataPlaneError, BucketRefused) as e:
             return False, f"{RECEIVE_FAILED}{e}"
         except (VersionRejected, WireError) as e:
             return False, load_failure(e)
@@ -172,9 +189,13 @@ class ReceiverScheduler:
 
 def _int_version(value: str) -> int:
     try:
-        return int(value)
+        version = int(value)
     except ValueError:
-        raise VersionRejected(f"weight_version {value!r}: the reference server's versions are integers") from None
+        version = -1
+    if not 0 <= version <= MAX_VERSION:
+        raise VersionRejected(f"weight_version {shown(value)}: the reference server's versions are integers in "
+                              f"[0, {MAX_VERSION}]")
+    return version
 
 
 class SglangApi:
@@ -184,9 +205,11 @@ class SglangApi:
     ``weight_version`` succeeds, reported by ``/model_info``; ``/server_info`` keeps the start-up one."""
 
     def __init__(self, scheduler: SglangScheduler, run_comm: RunOnCommThread, model_info: Mapping[str, Any],
-                 sessions: bool = True):
+                 sessions: bool = True, on_join: Callable[[], None] | None = None, adapters: Any = None):
         self.scheduler = scheduler
+        self.adapters = adapters  # the server's adapters (``adapters.ServedAdapters``), loaded by the LoRA routes
         self._run_comm = run_comm  # scheduler work runs on the server's data-plane thread, in order
+        self._on_join = on_join  # told when a group is asked for (the server abandons a join still hanging)
         self.model_info = dict(model_info)
         self.sessions = sessions
         self.weight_version = "default"
@@ -213,6 +236,8 @@ class SglangApi:
             web.get("/model_info", self.get_model_info), web.get("/get_model_info", self.get_model_info),
             web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
             web.get("/ready", self.ready),
+            web.post("/load_lora_adapter", self._validated(LoadLoraAdapter, self.load_lora)),
+            web.post("/unload_lora_adapter", self._validated(UnloadLoraAdapter, self.unload_lora)),
         ]
         if not self.sessions:  # SGLang 0.5.20 still routes these, only to answer that they are gone
             routes += [web.get("/get_weight_version", self.deprecated), web.get("/weight_version", self.deprecated)]
@@ -222,7 +247,7 @@ class SglangApi:
         async def route(request: web.Request) -> web.Response:
             try:
                 body = await request.json() if request.can_read_body else None
-            except ValueError:
+            except (ValueError, RecursionError, LookupError):  # bad JSON or UTF-8, too deep, unknown charset
                 return _error(400, "Bad Request", "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body',), "
                                                   "'msg': 'JSON decode error'}")
             try:
@@ -235,13 +260,15 @@ class SglangApi:
 
     def _weight_route(self, struct: type[SglangRequest], name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(req: SglangRequest) -> web.Response:
+            if isinstance(req, InitWeightsUpdateGroup) and self._on_join is not None:
+                self._on_join()
             success, message = await self._run_comm(getattr(self.scheduler, name), req)
             if success and isinstance(req, UpdateWeightsFromDistributed) and req.weight_version is not None:
                 self.weight_version = req.weight_version
                 message += f" Weight version updated to {req.weight_version}."
             if not success:
                 log.warning("%s refused: %s", name, message)
-            return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+            return web.json_response({"success": success, "message": short(message)}, status=200 if success else 400)
 
         return self._validated(struct, handle)
 
@@ -259,7 +286,22 @@ class SglangApi:
     async def server_info(self, _r: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1,
                                   "enable_dp_attention": False, "weight_version": "default",
-                                  "version": SGLANG_RELEASE, "frontend": "python"})
+                                  "version": SGLANG_RELEASE, "frontend": "python", "enable_lora": True,
+                                  "max_lora_rank": None, "lora_target_modules": None, "max_loaded_loras": None})
+
+    async def load_lora(self, req: LoadLoraAdapter) -> web.Response:
+        return await self._lora(self.adapters.load, req.lora_name, req.lora_path)
+
+    async def unload_lora(self, req: UnloadLoraAdapter) -> web.Response:
+        return await self._lora(self.adapters.unload, req.lora_name)
+
+    async def _lora(self, change: Callable[..., None], *args: str) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: the adapters loaded after the change, or why it failed."""
+        try:
+            await asyncio.to_thread(change, *args)
+        except (VersionRejected, WireError, LookupError, OSError, ValueError) as e:
+            return web.json_response({"success": False, "error_message": str(e), "loaded_adapters": None}, status=400)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.adapters.loaded)})
 
     async def ready(self, _r: web.Request) -> web.Response:
         return web.Response(status=503 if self.paused else 200)
@@ -300,5 +342,5 @@ async def starlette_errors(request: web.Request, handler: Callable[[web.Request]
 
 def _error(status: int, kind: str, message: str) -> web.Response:
     """SGLang's error body (``ErrorResponse`` in ``entrypoints/openai/protocol.py``)."""
-    return web.json_response({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+    return web.json_response({"object": "error", "message": short(message), "type": kind, "param": None, "code": status},
                              status=status)

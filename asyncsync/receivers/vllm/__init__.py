@@ -12,9 +12,13 @@ BACKEND = "asyncsync"
 
 
 def register() -> None:
-    """Register the ``asyncsync`` backend once per process (vLLM refuses a second registration)."""
+    """Register the ``asyncsync`` backend once per process (vLLM refuses a second registration), and
+    keep a refused version to one log line (``quiet``)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
+    from asyncsync.receivers.vllm.quiet import install
+
+    install()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "asyncsync.receivers.vllm.transfer_engine", "AsyncsyncWeightTransferEngine"

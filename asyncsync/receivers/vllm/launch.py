@@ -18,6 +18,7 @@ the ``vllm`` logger, so they would be dropped).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from asyncsync.protocol.group import free_port
@@ -39,6 +41,32 @@ LOGGING_CONFIG = {
     "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}},
     "loggers": {"vllm": _HANDLER, "asyncsync": _HANDLER},
 }
+
+
+_ALIVE: weakref.WeakSet[VllmServer] = weakref.WeakSet()
+
+
+def kill_all() -> None:
+    """Kill every server this process started and has not stopped (a CLI's exit on a second Ctrl-C)."""
+    for server in list(_ALIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, count: int, log_dir: Path, args: Sequence[str] = ()) -> Iterator[list[VllmServer]]:
+    """``count`` servers of ``model_dir`` started together (start-up is most of their cost), each
+    healthy on entry; every one stopped on exit, also when a start fails or on Ctrl-C."""
+    servers: list[VllmServer] = []
+    try:
+        for i in range(count):
+            servers.append(VllmServer(model_dir, log_dir / f"vllm-{i}.log", args=args))
+        for server in servers:
+            server.wait_healthy()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 class VllmServer:
@@ -63,6 +91,7 @@ class VllmServer:
         ]
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+        _ALIVE.add(self)
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds until ``/health`` answered; raises with the log's tail if the server exited or hung."""
@@ -92,6 +121,7 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 continue
         self._log.close()
+        _ALIVE.discard(self)
 
     def __enter__(self) -> VllmServer:
         return self

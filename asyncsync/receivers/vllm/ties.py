@@ -68,6 +68,12 @@ class TiedModules:
             log.warning("asyncsync: every version will be refused: tied module(s) whose post-load processing cannot "
                         "be re-run on loaded weights: %s", self.unsafe)
 
+    def check_plan(self) -> None:
+        """At the trainer's ``connect``: raise ``VersionRejected`` when no version could ever be applied."""
+        if self.unsafe:
+            raise VersionRejected(f"this engine refuses every version: tied module(s) whose post-load processing "
+                                  f"cannot be re-run on loaded weights: {self.unsafe}")
+
     def check(self, version: int) -> None:
         """Raise ``VersionRejected`` when a tied module could not follow ``version``: called before the
         model is touched, so the previous weights keep serving."""

@@ -10,7 +10,9 @@ that also runs the forward passes: while an RPC runs, vLLM generates nothing. Pe
    refused before the model is touched;
 2. only then open vLLM's layerwise reload, ``model.load_weights`` the whole version (HF checkpoint
    names), and close the reload, even when loading raises;
-3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``).
+3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``),
+   and the MoE experts kernel's own post-load step that vLLM's weight-update path skips
+   (``receivers/vllm/experts.py``: on CPU, the grouped-GEMM prepack).
 
 Where step 1 runs is the request's ``receive`` mode:
 
@@ -34,6 +36,11 @@ that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both
 
 Contract: a version this engine reports loaded is served by every module, each with the processing
 derived from that version's weights; a version that cannot be is refused before the model is touched.
+
+``lora: adapter`` (``receivers/vllm/adapters.py``): an ``AdapterUpdate`` is received and verified
+the same way (in the RPC or in the background), then written as a PEFT directory instead of loaded:
+the trainer loads it through vLLM's ``/v1/load_lora_adapter``. ``AdapterCheck`` and ``BaseCheck``
+are judged at the trainer's connect, like a ``LayoutCheck``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import glob
 import logging
 import os
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,9 +58,12 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
-from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.receivers.vllm.adapters import WorkerAdapters
+from asyncsync.receivers.vllm.experts import ExpertKernels
 from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
@@ -75,19 +86,27 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         super().__init__(config, vllm_config, device, model)
         # The staging arena (one version, on the worker's device) is allocated here, when vLLM creates
         # the engine, not at the first update: see docs/engines/vllm.md for sizing the KV cache around it.
-        self.stager = BucketStager(checkpoint_specs(vllm_config), "/init_weight_transfer_engine",
+        self.checkpoint = CheckpointTensors(vllm_config)
+        self.stager = BucketStager(self.checkpoint.specs, "/init_weight_transfer_engine",
                                    runtime_for(torch.device(device)), arena=True)
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
         self.ties = TiedModules(model)
-        self.background = BackgroundReceive(self.stager, lambda staged: self.ties.check(staged.version))
+        self.experts = ExpertKernels(model)
+        self.background = BackgroundReceive(self.stager, self._verify)
+        pc = self.parallel_config
+        self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,
+                                       writer=pc.rank == 0 and pc.data_parallel_index == 0)
         log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
         return InitGroupRequest.from_json(init_dict)
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest | DiscardRequest:  # type: ignore[override]
-        if isinstance(update_dict, dict) and "discard" in update_dict:
-            return DiscardRequest.from_json(update_dict)
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:  # type: ignore[override]
+        """An ``UpdateRequest``, or what else the trainer's client carries in ``update_info``."""
+        for key, message in (("discard", DiscardRequest), ("check", LayoutCheck), ("adapter", AdapterUpdate),
+                             ("adapter_check", AdapterCheck), ("base_check", BaseCheck)):
+            if isinstance(update_dict, dict) and key in update_dict:
+                return message.from_json(update_dict)
         return UpdateRequest.from_json(update_dict)
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
@@ -100,10 +119,25 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
         """``in_rpc``: receive, verify and load the version here. ``background``: start receiving it
-        on the worker thread and return at once. A ``DiscardRequest`` drops a background version."""
+        on the worker thread and return at once. A ``DiscardRequest`` drops a background version; a
+        ``LayoutCheck`` (the trainer's ``connect``) raises unless it names the checkpoint's tensors."""
         request = self.parse_update_info(update_info)
+        if isinstance(request, LayoutCheck):
+            self.stager.check_layout(request)
+            self.ties.check_plan()
+            return
+        if isinstance(request, AdapterCheck):
+            self.adapters.check(request)
+            return
+        if isinstance(request, BaseCheck):
+            self.adapters.check_base(request, self.version, self.checkpoint)
+            return
+        if isinstance(request, AdapterUpdate):
+            self._receive_adapter(request)
+            return
         if isinstance(request, DiscardRequest):
             self.background.cancel()
+            self.adapters.pending = None
             log.info("discarded version %d", request.version)
             return
         if request.receive == "background":
@@ -122,15 +156,47 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.ties.check(staged.version)  # raises VersionRejected; model untouched
         self._load(staged)
 
+    def _verify(self, staged: StagedVersion) -> None:
+        """The worker's own rules for a version received in the background (an adapter's, or weights')."""
+        pending = self.adapters.pending
+        if pending is not None:
+            self.adapters.verify(pending, staged)
+        else:
+            self.ties.check(staged.version)
+
+    def _receive_adapter(self, update: AdapterUpdate) -> None:
+        """An adapter version: received and verified like any (``background``: on the worker thread,
+        written at finish), then written as a PEFT directory, never loaded here."""
+        request = update.update
+        if request.receive == "background":
+            self.adapters.pending = update
+            try:
+                self.background.start(request, self.adapters.served(update), self.adapters.expected(update))
+            except BaseException:
+                self.adapters.pending = None
+                raise
+            return
+        if self.background.pending:
+            raise VersionRejected(f"adapter version {request.version} rejected: version {self.background.version} is "
+                                  "being received in the background; finish or discard it first")
+        staged = self.stager.receive(request, self.adapters.served(update), self.adapters.expected(update))
+        self.adapters.verify(update, staged)
+        self.adapters.write(update, staged)
+
     def finish_weight_update(self) -> None:
         """Load the version received in the background, if one is pending (else nothing: the version
-        was loaded in ``update_weights``, or this ends a session whose finish raised). Raises what
-        the receive raised (a refused version); nothing is pending afterwards either way."""
+        was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
+        version is written as a PEFT directory instead. Raises what the receive raised (a refused
+        version); nothing is pending afterwards either way."""
         if not self.background.pending:
             return
+        adapter, self.adapters.pending = self.adapters.pending, None
         staged = self.background.take(FINISH_WAIT_S)
         try:
-            self._load(staged)
+            if adapter is not None:
+                self.adapters.write(adapter, staged)
+            else:
+                self._load(staged)
         finally:
             self.background.released()  # the arena may be received into once the load has read it
 
@@ -146,6 +212,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
+        self.experts.reprocess()
         self.version = staged.version
         self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
@@ -153,20 +220,37 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def shutdown(self) -> None:
         self.background.close()
+        self.adapters.close()
 
 
-def checkpoint_specs(vllm_config: Any) -> dict[str, TensorSpec]:
-    """Name, dtype and shape of every tensor in the served checkpoint's safetensors files (headers
-    only): the HF names, dtypes and shapes an update must carry."""
-    from safetensors import safe_open
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """The served checkpoint's tensors by name, read from its safetensors files one at a time when
+    looked up; ``specs``: every tensor's name, dtype and shape (headers only, read here): the HF
+    names, dtypes and shapes an update must carry."""
 
-    specs: dict[str, TensorSpec] = {}
-    for path in _safetensors_files(vllm_config):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                entry = f.get_slice(name)
-                specs[name] = TensorSpec(name, dtype_from_safetensors(entry.get_dtype()), tuple(entry.get_shape()))
-    return specs
+    def __init__(self, vllm_config: Any):
+        from safetensors import safe_open
+
+        self.specs: dict[str, TensorSpec] = {}
+        self._files: dict[str, str] = {}
+        for path in _safetensors_files(vllm_config):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    entry = f.get_slice(name)
+                    self.specs[name] = TensorSpec(name, dtype_from_safetensors(entry.get_dtype()), tuple(entry.get_shape()))
+                    self._files[name] = path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
 
 
 def _safetensors_files(vllm_config: Any) -> list[str]:

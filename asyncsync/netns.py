@@ -1,6 +1,6 @@
 """Run a command inside a private network namespace whose loopback behaves like a network link.
 
-    python -m benchmarks.netns --link-gbit 8 [--link-delay-us 25] -- python -m benchmarks.broadcast ...
+    python -m asyncsync.netns --link-gbit 8 [--link-delay-us 25] -- python -m benchmarks.broadcast ...
 
 On plain loopback a "transfer" is a kernel memcpy on the same cores that pack, checksum and verify,
 so loopback figures measure CPU contention. Real clusters are bound by their links. Here the command

@@ -1,0 +1,137 @@
+"""The reference server's LoRA adapters (``lora: adapter``): received like any version, served natively.
+
+Routes (JSON in and out; the load routes take vLLM's request bodies, so a trainer drives every
+engine's adapters the same way)::
+
+    POST /check_adapter          AdapterCheck -> {"ok": true}, or 409 and why it cannot be served
+    POST /check_base             BaseCheck -> {"ok": true}, or 409: this server serves another base
+    POST /update_adapter         AdapterUpdate; answered once the adapter's buckets arrived and were
+                                 verified (names, shapes and ranks against the base it serves)
+    POST /end_adapter            {"version": v} -> {"path": p}: the verified adapter written as a PEFT
+                                 directory in this host's tmpfs (``receivers/adapters.py``)
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: PEFT loads the directory as that adapter
+    POST /v1/unload_lora_adapter {"lora_name"}; 404 for a name not loaded
+    GET  /v1/models              {"data": [{"id": base}, {"id": adapter, "root": path, "parent": base}, ...]}
+
+Serving: the first adapter wraps the model in a ``peft.PeftModel`` (PEFT's own loading, with PEFT's
+LoRA layers injected into the model in place, its base parameters kept, so versions of the base
+still swap in); each generation request runs under the serving lock with its adapter set active,
+or with adapters disabled for the base. A version of the adapter is served exactly as the trainer's
+PEFT model computes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from asyncsync.protocol.lora import ADAPTER_REFUSED, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name
+from asyncsync.protocol.staging import StagedVersion, VersionRejected
+from asyncsync.protocol.wire import WireError
+from asyncsync.receivers.adapters import AdapterFiles
+from asyncsync.receivers.reference.receiver import WeightReceiver
+
+BASE_MODEL = "base"  # the base model's id in /v1/models
+
+
+class AdapterNotFound(LookupError):
+    """A request named an adapter this server has not loaded (answered 404)."""
+
+
+class ServedAdapters:
+    """Receives adapter versions into the receiver's stager, writes them, and serves them with PEFT.
+
+    ``receive`` and ``write`` run on the server's data-plane thread; ``load``, ``unload`` and
+    ``active`` under ``serve_lock``, so no request runs while the model's adapters change."""
+
+    def __init__(self, model: torch.nn.Module, receiver: WeightReceiver, serve_lock: threading.Lock):
+        self.model, self.receiver, self.serve_lock = model, receiver, serve_lock
+        self.files = AdapterFiles()
+        self.peft: Any = None             # the PeftModel around ``model``, once an adapter was loaded
+        self.loaded: dict[str, str] = {}  # adapter name -> the directory it was loaded from
+        self._staged: tuple[AdapterUpdate, StagedVersion] | None = None
+        self._written: dict[str, int] = {}  # slot -> the newest version written there
+
+    def check(self, check: AdapterCheck) -> None:
+        problems = adapter_problems(self.receiver.stager.expected, check.specs, check.config)
+        if problems:
+            raise VersionRejected(f"{ADAPTER_REFUSED}: the adapter does not fit the served model: " + "; ".join(problems[:3]))
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise VersionRejected(f"{ADAPTER_REFUSED}: this reference server has no peft: pip install peft") from None
+
+    def check_base(self, check: BaseCheck) -> None:
+        problem = check.mismatch(self.receiver.served())
+        if problem is not None:
+            raise VersionRejected(f"{ADAPTER_REFUSED}: this server serves another base: {problem}")
+
+    def receive(self, update: AdapterUpdate) -> None:
+        """Receive and verify one adapter version (every broadcast is taken part in first)."""
+        self._staged = None
+        specs = [s for b in update.update.buckets for s in b.to_bucket(0).specs]
+        served = self._written.get(update.adapter.slot, 0)
+        staged = self.receiver.stager.receive(update.update, served, {s.name: s for s in specs})
+        problems = adapter_problems(self.receiver.stager.expected, specs, update.adapter.config)
+        if problems:  # judged once every broadcast was taken part in
+            raise VersionRejected(f"adapter version {update.update.version} rejected: " + "; ".join(problems[:3]))
+        self._staged = (update, staged)
+
+    def write(self, version: int) -> str:
+        """Write the verified version as a PEFT directory (and drop the slot's versions not kept)."""
+        staged = self._staged
+        if staged is None or staged[1].version != version:
+            raise VersionRejected(f"adapter version {version} is not staged; send /update_adapter for it first")
+        update, received = staged
+        path = self.files.write(update.adapter, version, received.tensors())
+        self.files.retain(update.adapter, version)
+        self._written[update.adapter.slot] = version
+        self._staged = None
+        return path
+
+    def load(self, name: str, path: str) -> None:
+        """Load ``path`` (a PEFT directory) as adapter ``name``; the model runs no request meanwhile."""
+        check_name(name, "lora_name")
+        if name in self.loaded:
+            raise WireError(f"the lora adapter '{name}' has already been loaded: load each version under a new name")
+        with self.serve_lock, torch.no_grad():
+            if self.peft is None:
+                from peft import PeftModel
+
+                self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+            else:
+                self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            self.peft.eval()
+            self.loaded[name] = path
+
+    def unload(self, name: str) -> None:
+        if name not in self.loaded:
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        with self.serve_lock:
+            self.peft.delete_adapter(name)
+            del self.loaded[name]
+
+    @contextlib.contextmanager
+    def active(self, name: str | None) -> Iterator[None]:
+        """(Holding ``serve_lock``.) The model runs with adapter ``name``, or the base for None."""
+        if name is not None and name not in self.loaded:
+            raise AdapterNotFound(f"The model '{name}' does not exist.")
+        if self.peft is None:
+            yield
+        elif name is None:
+            with self.peft.disable_adapter():
+                yield
+        else:
+            self.peft.set_adapter(name)
+            yield
+
+    def models(self) -> list[dict[str, Any]]:
+        return [{"id": BASE_MODEL, "object": "model"}] + [
+            {"id": name, "object": "model", "root": path, "parent": BASE_MODEL} for name, path in self.loaded.items()]
+
+    def close(self) -> None:
+        self.files.close()

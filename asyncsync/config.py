@@ -11,13 +11,14 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from asyncsync.engines import engine_kinds
 from asyncsync.packing import backend_names
 from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
 from asyncsync.protocol.wire import MAX_DEADLINE_S, RECEIVE_MODES
+from asyncsync.registry import ENGINES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
+DELTA_MODES = ("auto", "off")
 LAYOUTS = ("checkpoint", "trainer")
 LORA_MODES = ("merged", "adapter")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,55}$")
@@ -78,8 +79,8 @@ class ServerConfig:
     SHORTHAND = "url"  # a bare string in a config is a server's URL
 
     def __post_init__(self) -> None:
-        if self.kind not in engine_kinds():
-            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {engine_kinds()} "
+        if self.kind not in ENGINES.targets:
+            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {ENGINES.names()} "
                               "(asyncsync.engines.register_engine adds one)")
         for name in ("pause", "mix_versions", "reset_prefix_cache"):
             if not isinstance(getattr(self, name), bool):
@@ -153,11 +154,15 @@ class WeightSyncConfig:
     funnel: bool = False
     snapshot: str = "device"
     transport: str = "auto"
+    delta: str = "auto"
     layout: str = "checkpoint"
     lora: str = "merged"
     lora_name: str = "policy"
 
     def __post_init__(self) -> None:
+        if self.delta not in DELTA_MODES:
+            raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
+                              "the last version gets what changed since, off: every version whole)")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)} (checkpoint: the names and layouts "
                               "engines load, from transformers' own conversion; trainer: the module's own names)")

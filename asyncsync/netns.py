@@ -130,18 +130,21 @@ def unavailable(link: Link, timeout_s: float = 30.0) -> str | None:
 def run(link: Link, argv: Sequence[str], timeout_s: float | None = None) -> LinkRun:
     """Run ``argv`` inside a namespace shaped as ``link``; skip (and say why) when it cannot be made.
 
-    The command runs in its own session; on timeout (``subprocess.TimeoutExpired`` is raised) or an
-    interrupt, its whole process group is killed, so no server it started outlives it."""
+    The command runs in its own session; when it ends (also when it was killed, say by the kernel's
+    OOM killer), on timeout (``subprocess.TimeoutExpired`` is raised) or on an interrupt, whatever is
+    left of its process group is killed, so no server it started outlives it."""
     why = unavailable(link)
     if why is not None:
         return LinkRun(link, skipped=why)
     proc = subprocess.Popen(_inner(link, argv), start_new_session=True)
     try:
         return LinkRun(link, returncode=proc.wait(timeout_s))
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone: nothing was left behind
+            pass
         proc.wait()
-        raise
 
 
 def shape(link: Link) -> None:

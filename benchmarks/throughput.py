@@ -28,7 +28,7 @@ import torch
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.grpo import GRPOConfig, RunSummary, run_grpo
-from asyncsync.trainer.metrics import SyncMetrics
+from asyncsync.metrics import SyncMetrics
 from benchmarks.common import RESULTS, write_json
 
 class NoSync:

@@ -2,6 +2,9 @@
 // optionally computing the CRC32C of the packed bytes in the same pass over memory.
 //
 //   asyncsync::pack(Tensor[] srcs, int[] offsets, Tensor(a!) out, bool checksum) -> int
+//   asyncsync::pack_delta(Tensor[] srcs, int[] offsets, Tensor(a!) base, int word, int limit)
+//       -> (int crc, int changed, Tensor delta)
+//   asyncsync::apply_delta(Tensor delta, Tensor base, Tensor(a!) out, int word) -> int crc
 //   asyncsync::unpack(Tensor buf, int[] offsets, Tensor(a!)[] dsts) -> ()
 //   asyncsync::crc_impl() -> str
 //
@@ -20,12 +23,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <tuple>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "crc32c.h"
+#include "delta.h"
 
 #if defined(__SSE4_2__) && !defined(ASYNCSYNC_SOFTWARE_CRC)
 #include <nmmintrin.h>
@@ -330,33 +336,315 @@ uint32_t run(uint8_t* buf, const Layout& layout) {
   return ~acc;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Ops.
-
-int64_t pack(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out, bool checksum) {
-  constexpr const char* op = "asyncsync::pack";
-  check_buffer(out, op, "out");
+// The layout of a pack into ``out``: every source checked (``check_tensor``, ``check_range``) before
+// any byte is read, non-contiguous (or lazily negated/conjugated) sources materialized in C order
+// first (the same bytes torch's copy_ writes; the copies stay alive in ``dense`` until the pack is
+// done), the ranges sorted and checked not to overlap.
+Layout pack_layout(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out, const char* op, const char* arg,
+                   std::vector<at::Tensor>& dense) {
+  check_buffer(out, op, arg);
   TORCH_CHECK_VALUE(offsets.size() == srcs.size(), op, ": got ", srcs.size(), " tensors but ", offsets.size(),
                     " offsets; pass one byte offset per tensor");
-  // Non-contiguous (or lazily negated/conjugated) sources are materialized in C order first: the same
-  // bytes torch's copy_ writes. The copies stay alive in ``dense`` until the pack is done.
-  std::vector<at::Tensor> dense;
   Layout layout;
   layout.segments.reserve(srcs.size());
+  dense.reserve(srcs.size());
   for (size_t i = 0; i < srcs.size(); ++i) {
     const at::Tensor* t = &srcs[i];
     const auto index = static_cast<int64_t>(i);
     check_tensor(*t, index, op);
     const int64_t nbytes = nbytes_of(*t);
-    check_range(nbytes, offsets[i], index, out, op, "out");
+    check_range(nbytes, offsets[i], index, out, op, arg);
     if (!t->is_contiguous() || t->is_conj() || t->is_neg()) {
       dense.push_back(t->resolve_conj().resolve_neg().contiguous());
       t = &dense.back();
     }
     auto* data = const_cast<uint8_t*>(static_cast<const uint8_t*>(t->const_data_ptr()));
-    add_segment(layout, nbytes, data, offsets[i], index, out, op, "out");
+    add_segment(layout, nbytes, data, offsets[i], index, out, op, arg);
   }
   finish_layout(layout, op);
+  return layout;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Delta encoding (delta.h): pack into the buffer that holds the previous version, and in the same
+// pass over each block (while it is in cache) find the words that changed and encode them.
+
+// ORs ``bits`` (``nbits`` <= 32 of them) into the bitmask ``mask`` at bit ``pos``.
+inline void set_bits(uint32_t* mask, int64_t pos, uint32_t bits, int64_t nbits) {
+  const int64_t shift = pos % 32;
+  mask[pos / 32] |= bits << shift;
+  if (shift + nbits > 32) mask[pos / 32 + 1] |= bits >> (32 - shift);
+}
+
+// Sets bit ``first + j`` of ``mask`` for every word j of the ``n`` words (kWord bytes each) that
+// differ between ``a`` and ``b``. Runs of 64 bytes that did not change, nearly all of them in an RL
+// update, cost one test.
+template <int kWord>
+void diff_words(const uint8_t* a, const uint8_t* b, int64_t n, int64_t first, uint32_t* mask) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  constexpr int64_t kPer = 16 / kWord;  // words per vector
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  const auto vector_bits = [](__m128i x, __m128i y) -> uint32_t {  // one bit per word that differs
+    if (kWord == 1) return ~static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y))) & 0xFFFFu;
+    if (kWord == 2) {
+      const __m128i eq = _mm_cmpeq_epi16(x, y);
+      return ~static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq, eq))) & 0xFFu;
+    }
+    const uint32_t ints = ~static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, y)))) & 0xFu;
+    return kWord == 4 ? ints : ((ints & 3u) != 0) | (((ints & 12u) != 0) << 1);
+  };
+  const __m128i zero = _mm_setzero_si128();
+  for (; i + 4 * kPer <= n; i += 4 * kPer) {
+    const uint8_t *pa = a + i * kWord, *pb = b + i * kWord;
+    const __m128i x0 = load(pa), x1 = load(pa + 16), x2 = load(pa + 32), x3 = load(pa + 48);
+    const __m128i y0 = load(pb), y1 = load(pb + 16), y2 = load(pb + 32), y3 = load(pb + 48);
+    const __m128i any = _mm_or_si128(_mm_or_si128(_mm_xor_si128(x0, y0), _mm_xor_si128(x1, y1)),
+                                     _mm_or_si128(_mm_xor_si128(x2, y2), _mm_xor_si128(x3, y3)));
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(any, zero)) == 0xFFFF) continue;
+    const __m128i xs[4] = {x0, x1, x2, x3}, ys[4] = {y0, y1, y2, y3};
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t bits = vector_bits(xs[v], ys[v]);
+      if (bits) set_bits(mask, first + i + v * kPer, bits, kPer);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (std::memcmp(a + i * kWord, b + i * kWord, kWord) != 0) set_bits(mask, first + i, 1u, 1);
+}
+
+void diff_range(const uint8_t* a, const uint8_t* b, int64_t n, int64_t first, int64_t word, uint32_t* mask) {
+  switch (word) {
+    case 1: return diff_words<1>(a, b, n, first, mask);
+    case 2: return diff_words<2>(a, b, n, first, mask);
+    case 4: return diff_words<4>(a, b, n, first, mask);
+    default: return diff_words<8>(a, b, n, first, mask);
+  }
+}
+
+// The changes a pack of bytes [lo, hi) would make to ``buf`` (whose words are ``word`` bytes, the
+// first at ``lo``): ``mask`` (zeroed here) gets a bit per word whose new bytes, read from the
+// segments, differ from what ``buf`` holds. Bytes no segment covers keep theirs: no bit. Called
+// before the pack writes the range, so the baseline is read where it is, never copied aside.
+void diff_block(const uint8_t* buf, const std::vector<Segment>& segs, int64_t lo, int64_t hi, int64_t word,
+                uint32_t* mask) {
+  std::memset(mask, 0, static_cast<size_t>(((hi - lo) / word + 31) / 32) * sizeof(uint32_t));
+  auto it = std::upper_bound(segs.begin(), segs.end(), lo,
+                             [](int64_t pos, const Segment& s) { return pos < s.offset + s.nbytes; });
+  for (; it != segs.end() && it->offset < hi; ++it) {
+    const int64_t a = std::max(lo, it->offset), b = std::min(hi, it->offset + it->nbytes);
+    // Offsets are multiples of each tensor's item size, itself a multiple of the word.
+    diff_range(buf + a, it->data + (a - it->offset), (b - a) / word, (a - lo) / word, word, mask);
+  }
+}
+
+// Blocks a thread encodes before it may give up on a bucket whose delta is on course for twice its limit.
+constexpr int64_t kProjectAfterBlocks = 8;
+
+// One thread's contiguous run of blocks: their index and value bytes per mode (R values are taken
+// from the buffer when the delta is assembled), the raw CRC of its bytes and the words that changed.
+struct DeltaChunk {
+  std::vector<uint8_t> index[asyncsync_delta::kModes];
+  std::vector<uint8_t> value[asyncsync_delta::kModes];
+  uint32_t crc = 0;
+  int64_t changed = 0;
+};
+
+std::tuple<int64_t, int64_t, at::Tensor> pack_delta(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& base,
+                                                    int64_t word, int64_t limit) {
+  namespace d = asyncsync_delta;
+  constexpr const char* op = "asyncsync::pack_delta";
+  TORCH_CHECK_VALUE(word == 1 || word == 2 || word == 4 || word == 8, op, ": word must be 1, 2, 4 or 8 bytes, got ", word);
+  std::vector<at::Tensor> dense;
+  const Layout layout = pack_layout(srcs, offsets, base, op, "base", dense);
+  const int64_t end = layout.end;
+  TORCH_CHECK_VALUE(end % word == 0, op, ": the bucket's ", end, " bytes are not whole words of ", word,
+                    " bytes; the word is the smallest item size of the bucket's tensors");
+  auto* buf = static_cast<uint8_t*>(base.mutable_data_ptr());
+  const int64_t nwords = end / word;
+  const int64_t nblocks = (nwords + d::kBlockWords - 1) / d::kBlockWords;
+  const int64_t block_bytes = d::kBlockWords * word;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per = std::max<int64_t>(1, (nblocks + threads - 1) / threads);
+  const int64_t nchunks = nblocks ? (nblocks + per - 1) / per : 0;
+  std::vector<DeltaChunk> chunks(nchunks);
+  std::vector<d::BlockPlan> plans(nblocks);
+  std::atomic<int64_t> spent{0};
+  std::atomic<bool> gave_up{limit <= 0};
+  const auto work = [&](int64_t lo_chunk, int64_t hi_chunk) {
+    std::vector<uint32_t> mask(d::kMaskWords);
+    for (int64_t c = lo_chunk; c < hi_chunk; ++c) {
+      DeltaChunk& out = chunks[c];
+      int64_t own_spent = 0, own_bytes = 0, own_blocks = 0;
+      for (int64_t b = c * per; b < std::min(nblocks, (c + 1) * per); ++b) {
+        const int64_t lo = b * block_bytes, hi = std::min(end, lo + block_bytes), bw = (hi - lo) / word;
+        const bool encode = !gave_up.load(std::memory_order_relaxed);
+        if (encode) diff_block(buf, layout.segments, lo, hi, word, mask.data());  // before the pack overwrites it
+        out.crc = crc_shift(out.crc, hi - lo) ^ process_range<true, true>(buf, layout.segments, lo, hi);
+        if (!encode) continue;
+        const d::BlockPlan plan = d::plan_block(mask.data(), bw, word);
+        plans[b] = plan;
+        out.changed += plan.changed;
+        const int64_t cost = plan.index_bytes + plan.value_bytes;
+        own_spent += cost, own_bytes += hi - lo, ++own_blocks;
+        // Past the limit, or on course for twice it by this thread's first blocks (a dense update):
+        // the whole bucket goes out, and every thread stops encoding.
+        if (spent.fetch_add(cost, std::memory_order_relaxed) + cost > limit ||
+            (own_blocks >= kProjectAfterBlocks &&
+             static_cast<double>(own_spent) * static_cast<double>(end) > 2.0 * static_cast<double>(limit) * own_bytes)) {
+          gave_up.store(true, std::memory_order_relaxed);
+          continue;
+        }
+        if (plan.entries == 0 || plan.mode == d::kRaw) continue;
+        auto& index = out.index[plan.mode];
+        auto& value = out.value[plan.mode];
+        const size_t at_index = index.size(), at_value = value.size();
+        index.resize(at_index + static_cast<size_t>(plan.index_bytes));
+        value.resize(at_value + static_cast<size_t>(plan.value_bytes));
+        d::write_block(plan, mask.data(), bw, word, buf + lo, index.data() + at_index, value.data() + at_value);
+      }
+    }
+  };
+  if (nchunks > 1)
+    at::parallel_for(0, nchunks, 1, work);
+  else
+    work(0, nchunks);
+  uint32_t acc = 0xFFFFFFFFu;
+  int64_t changed = 0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t bytes = std::min(end, (c + 1) * per * block_bytes) - c * per * block_bytes;
+    acc = crc_shift(acc, bytes) ^ chunks[c].crc;
+    changed += chunks[c].changed;
+  }
+  const auto crc = static_cast<int64_t>(end ? ~acc : 0u);
+  const at::Tensor none = at::empty({0}, base.options());
+  if (gave_up.load()) return {crc, -1, none};  // -1: not every block was compared
+
+  int64_t index_bytes[d::kModes] = {}, value_bytes[d::kModes] = {};
+  for (const DeltaChunk& c : chunks)
+    for (int k = 0; k < d::kModes; ++k) {
+      index_bytes[k] += static_cast<int64_t>(c.index[k].size());
+      value_bytes[k] += static_cast<int64_t>(c.value[k].size());
+    }
+  for (const d::BlockPlan& p : plans)
+    if (p.mode == d::kRaw) value_bytes[d::kRaw] += p.value_bytes;
+  const d::Sections sections = d::layout(nblocks, index_bytes, value_bytes);
+  if (sections.total > limit) return {crc, changed, none};
+  at::Tensor delta = at::zeros({sections.total}, base.options());
+  auto* out = static_cast<uint8_t*>(delta.mutable_data_ptr());
+  d::write_header(out, word, nwords, nblocks);
+  uint8_t* modes = out + d::align8(sections.table + 4 * nblocks);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    d::store_u32(out + sections.table + 4 * b, plans[b].entries);
+    modes[b] = plans[b].mode;
+  }
+  int64_t index_at[d::kModes], value_at[d::kModes];
+  for (int k = 0; k < d::kModes; ++k) index_at[k] = sections.index[k], value_at[k] = sections.value[k];
+  for (const DeltaChunk& c : chunks)
+    for (int k = 0; k < d::kModes; ++k) {
+      if (!c.index[k].empty()) std::memcpy(out + index_at[k], c.index[k].data(), c.index[k].size());
+      if (!c.value[k].empty()) std::memcpy(out + value_at[k], c.value[k].data(), c.value[k].size());
+      index_at[k] += static_cast<int64_t>(c.index[k].size());
+      value_at[k] += static_cast<int64_t>(c.value[k].size());
+    }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if (plans[b].mode != d::kRaw) continue;
+    std::memcpy(out + value_at[d::kRaw], buf + b * block_bytes, static_cast<size_t>(plans[b].value_bytes));
+    value_at[d::kRaw] += plans[b].value_bytes;
+  }
+  return {crc, changed, delta};
+}
+
+uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Rebuilds a bucket into ``out`` from ``base`` (the baseline's bytes; ``out`` itself to rebuild in
+// place) and a delta, block by block in parallel, and returns the CRC32C of the rebuilt bytes, taken
+// while each block is in cache. Every size, count and position is checked against the bucket; a
+// delta that does not fit raises (ValueError) and leaves ``out`` unspecified: the caller refuses it.
+int64_t apply_delta(const at::Tensor& delta, const at::Tensor& base, const at::Tensor& out, int64_t word) {
+  namespace d = asyncsync_delta;
+  constexpr const char* op = "asyncsync::apply_delta";
+  check_buffer(delta, op, "delta");
+  check_buffer(base, op, "base");
+  check_buffer(out, op, "out");
+  const int64_t n = delta.numel(), nbytes = out.numel();
+  TORCH_CHECK_VALUE(base.numel() == nbytes, op, ": a baseline of ", base.numel(), " bytes cannot rebuild a bucket of ",
+                    nbytes, " bytes");
+  TORCH_CHECK_VALUE((word == 1 || word == 2 || word == 4 || word == 8) && nbytes % word == 0, op, ": a bucket of ",
+                    nbytes, " bytes is not whole words of ", word, " bytes");
+  const auto* p = static_cast<const uint8_t*>(delta.const_data_ptr());
+  const int64_t nwords = nbytes / word, nblocks = (nwords + d::kBlockWords - 1) / d::kBlockWords;
+  TORCH_CHECK_VALUE(n >= d::kHeaderBytes, op, ": a delta of ", n, " bytes is shorter than its header");
+  const uint64_t got_words = load_u32(p + 8) | (static_cast<uint64_t>(load_u32(p + 12)) << 32);
+  TORCH_CHECK_VALUE(load_u32(p) == d::kMagic && load_u32(p + 4) == word && got_words == static_cast<uint64_t>(nwords) &&
+                        load_u32(p + 16) == nblocks && load_u32(p + 20) == d::kBlockWords,
+                    op, ": the delta's header does not describe this bucket (", nwords, " words of ", word, " bytes)");
+  const int64_t modes_at = d::align8(d::kHeaderBytes + 4 * nblocks);
+  TORCH_CHECK_VALUE(n >= d::align8(modes_at + nblocks), op, ": a delta of ", n, " bytes cannot hold its table");
+  // Where each block's index and values start: per mode, in block order.
+  std::vector<int64_t> index_at(nblocks), value_at(nblocks);
+  int64_t index_bytes[d::kModes] = {}, value_bytes[d::kModes] = {};
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t entries = load_u32(p + d::kHeaderBytes + 4 * b), bw = std::min(d::kBlockWords, nwords - b * d::kBlockWords);
+    const uint8_t mode = p[modes_at + b];
+    TORCH_CHECK_VALUE(mode < d::kModes && entries <= bw && (mode != d::kRaw || entries == bw), op, ": block ", b,
+                      ": mode ", int(mode), " with ", entries, " entries does not fit a block of ", bw, " words");
+    index_at[b] = index_bytes[mode];
+    value_at[b] = value_bytes[mode];
+    if (entries == 0) continue;
+    index_bytes[mode] += mode == d::kGap1 ? entries : mode == d::kGap2 ? 2 * entries : mode == d::kMask ? (bw + 7) / 8 : 0;
+    value_bytes[mode] += entries * word;
+  }
+  const d::Sections sections = d::layout(nblocks, index_bytes, value_bytes);
+  TORCH_CHECK_VALUE(sections.total == n, op, ": the delta's table adds up to ", sections.total, " bytes, but ", n,
+                    " arrived");
+  const auto* from = static_cast<const uint8_t*>(base.const_data_ptr());
+  auto* to = static_cast<uint8_t*>(out.mutable_data_ptr());
+  const int64_t block_bytes = d::kBlockWords * word;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per = std::max<int64_t>(1, (nblocks + threads - 1) / threads);
+  const int64_t nchunks = nblocks ? (nblocks + per - 1) / per : 0;
+  std::vector<uint32_t> crcs(nchunks, 0);
+  std::vector<int64_t> bad(nchunks, -1);
+  const auto work = [&](int64_t lo_chunk, int64_t hi_chunk) {
+    for (int64_t c = lo_chunk; c < hi_chunk; ++c) {
+      for (int64_t b = c * per; b < std::min(nblocks, (c + 1) * per); ++b) {
+        const int64_t lo = b * block_bytes, hi = std::min(nbytes, lo + block_bytes);
+        const uint8_t mode = p[modes_at + b];
+        const int64_t entries = load_u32(p + d::kHeaderBytes + 4 * b);
+        if (to != from) copy_bytes(to + lo, from + lo, static_cast<size_t>(hi - lo));
+        if (entries && !d::apply_block(mode, entries, (hi - lo) / word, word, p + sections.index[mode] + index_at[b],
+                                       p + sections.value[mode] + value_at[b], to + lo)) {
+          bad[c] = b;
+          break;
+        }
+        crcs[c] = crc_shift(crcs[c], hi - lo) ^ crc_pass<false>(nullptr, to + lo, static_cast<size_t>(hi - lo), 0);
+      }
+    }
+  };
+  if (nchunks > 1)
+    at::parallel_for(0, nchunks, 1, work);
+  else
+    work(0, nchunks);
+  uint32_t acc = 0xFFFFFFFFu;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    TORCH_CHECK_VALUE(bad[c] < 0, op, ": block ", bad[c], "'s entries run past the block or do not match its count");
+    acc = crc_shift(acc, std::min(nbytes, (c + 1) * per * block_bytes) - c * per * block_bytes) ^ crcs[c];
+  }
+  return static_cast<int64_t>(nbytes ? ~acc : 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+int64_t pack(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out, bool checksum) {
+  constexpr const char* op = "asyncsync::pack";
+  std::vector<at::Tensor> dense;
+  const Layout layout = pack_layout(srcs, offsets, out, op, "out", dense);
   auto* buf = static_cast<uint8_t*>(out.mutable_data_ptr());
   if (!checksum) {
     run<true, false>(buf, layout);
@@ -410,6 +698,9 @@ extern "C" PyMODINIT_FUNC PyInit__pack_cpu(void) {
 
 TORCH_LIBRARY(ASYNCSYNC_OP_NAMESPACE, m) {
   m.def("pack(Tensor[] srcs, int[] offsets, Tensor(a!) out, bool checksum) -> int", TORCH_FN(pack));
+  m.def("pack_delta(Tensor[] srcs, int[] offsets, Tensor(a!) base, int word, int limit) -> (int, int, Tensor)",
+        TORCH_FN(pack_delta));
+  m.def("apply_delta(Tensor delta, Tensor base, Tensor(a!) out, int word) -> int", TORCH_FN(apply_delta));
   m.def("unpack(Tensor buf, int[] offsets, Tensor(a!)[] dsts) -> ()", TORCH_FN(unpack));
   m.def("crc_impl() -> str", TORCH_FN(crc_impl));
 }

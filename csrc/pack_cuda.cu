@@ -9,6 +9,20 @@
 //                               checksum_out, workspace);     // returns a cudaError_t value
 //   const char* asyncsync_cuda_error_string(int code);
 //
+// and the delta path (csrc/delta.h has the format's shared block logic):
+//
+//   int     asyncsync_pack_delta_cuda(srcs, sizes, dst_offsets, count, base, total_bytes, stream,
+//                                     checksum_out, workspace, mask, word, plans);
+//   int64_t asyncsync_delta_plan_bytes();   // bytes of one block's plan
+//   int64_t asyncsync_delta_layout(plans_host, nblocks, offsets_out);   // host: the delta's size
+//   int     asyncsync_delta_write_cuda(mask, plans, offsets, base, nwords, word, out, stream);
+//
+// pack_delta packs into ``base`` (which holds the previous version) as the pack kernel does, and in
+// the same pass each thread compares the 16 bytes it checksums with what they held before and sets
+// one bit per changed word in ``mask``; a second kernel plans each block of the format (one thread
+// per block). The caller reads the plans (a host sync, on the sender's thread), sizes the delta
+// (asyncsync_delta_layout) and, if it pays, has a third kernel write it (one thread per block).
+//
 // Design. The destination range [0, total_bytes) is cut into 4 KiB tiles (256 threads x 16 bytes)
 // and each block walks a contiguous run of tiles. Thread 0 binary-searches the device table of
 // ranges (sorted by offset) once per block for the first one that reaches its first tile, then
@@ -28,6 +42,7 @@
 #include <cstdint>
 
 #include "crc32c.h"
+#include "delta.h"
 
 namespace asyncsync_cuda {
 
@@ -148,6 +163,8 @@ struct Params {
   uint32_t* partials;       // one raw CRC per block (checksum only)
   unsigned* done;           // blocks finished (checksum only); zeroed before the launch
   uint32_t* checksum_out;   // null: no checksum
+  uint32_t* mask = nullptr; // delta: bit per word of [0, total) that changed (zeroed before the launch)
+  int64_t word = 1;         // delta: the word size in bytes (1, 2, 4 or 8)
 };
 
 struct BlockShared {
@@ -194,6 +211,11 @@ __host__ __device__ void pack_block(const Block& blk, BlockShared& sh, const Par
   uint32_t block_crc = 0;  // thread 0's running CRC of this block's tiles
   for (int64_t tile = t0; tile < t1; ++tile) {
     const int64_t lo = tile * kTile, hi = imin(p.total, lo + kTile);
+    const int64_t mine = lo + tid * kVec;
+    const int64_t n = imax(0, imin(kVec, hi - mine));  // this thread's bytes of the tile (CRC, delta)
+    uint8_t old[kVec];
+    if (p.mask)  // the baseline's bytes, read before any thread of the block writes the tile
+      for (int64_t i = 0; i < n; ++i) old[i] = p.dst[mine + i];
     // The block's tiles are contiguous: one search for its first tile, then a linear advance.
     if (tid == 0) {
       if (tile == t0) {
@@ -208,10 +230,18 @@ __host__ __device__ void pack_block(const Block& blk, BlockShared& sh, const Par
       const int64_t a = imax(lo, off), b = imin(hi, off + p.segs.sizes[i]);
       if (a < b) copy_piece(p.dst + a, p.segs.srcs[i] + (a - off), b - a, tid);
     }
+    if (checksum || p.mask) blk.sync();  // the whole tile is written
+    if (p.mask && n > 0) {  // one bit per changed word; 16 / word bits never straddle a mask word
+      uint32_t bits = 0;
+      for (int64_t w = 0; w < n / p.word; ++w) {
+        bool changed = false;
+        for (int64_t i = 0; i < p.word; ++i) changed |= old[w * p.word + i] != p.dst[mine + w * p.word + i];
+        bits |= static_cast<uint32_t>(changed) << w;
+      }
+      const int64_t first = mine / p.word;
+      if (bits) blk.or_bits(&p.mask[first / 32], bits << (first % 32));
+    }
     if (checksum) {
-      blk.sync();  // the whole tile is written
-      const int64_t mine = lo + tid * kVec;
-      const int64_t n = imax(0, imin(kVec, hi - mine));
       sh.crc[tid] = n > 0 ? thread_crc(sh.table, p.dst + mine, n) : 0;
       sh.len[tid] = n;
       blk.sync();
@@ -255,6 +285,7 @@ struct DeviceBlock {
   __device__ void fence() const { __threadfence(); }
   __device__ unsigned arrive(unsigned* counter) const { return atomicAdd(counter, 1u); }
   __device__ uint32_t load_partial(const uint32_t* p) const { return __ldcg(p); }  // L2, not a stale L1
+  __device__ void or_bits(uint32_t* p, uint32_t bits) const { atomicOr(p, bits); }
 };
 
 __global__ void __launch_bounds__(kThreads) pack_kernel(Params p) {
@@ -269,6 +300,64 @@ inline void launch_shape(int64_t total, int64_t max_blocks, int64_t* grid, int64
   *tiles_per_block = (ntiles + blocks - 1) / blocks;
   *grid = imax(1, (ntiles + *tiles_per_block - 1) / *tiles_per_block);
 }
+
+namespace d = asyncsync_delta;
+
+// Words of bucket block ``b``.
+__host__ __device__ inline int64_t block_width(int64_t nwords, int64_t b) {
+  return imin(d::kBlockWords, nwords - b * d::kBlockWords);
+}
+
+// One thread per block of the delta format: its mode and sizes (d::plan_block).
+__host__ __device__ inline void plan_one(const uint32_t* mask, int64_t nwords, int64_t word, d::BlockPlan* plans,
+                                         int64_t b) {
+  plans[b] = d::plan_block(mask + b * d::kMaskWords, block_width(nwords, b), word);
+}
+
+// One thread per block: its entry count and mode in the table, its gaps or bitmask and values at
+// the offsets the host laid out (offsets[2b], offsets[2b + 1]); block 0 also writes the header.
+__host__ __device__ inline void write_one(const uint32_t* mask, const d::BlockPlan* plans, const int64_t* offsets,
+                                          const uint8_t* base, int64_t nwords, int64_t word, int64_t nblocks,
+                                          uint8_t* out, int64_t b) {
+  if (b == 0) d::write_header(out, word, nwords, nblocks);
+  d::store_u32(out + d::kHeaderBytes + 4 * b, plans[b].entries);
+  out[d::align8(d::kHeaderBytes + 4 * nblocks) + b] = plans[b].mode;
+  d::write_block(plans[b], mask + b * d::kMaskWords, block_width(nwords, b), word, base + b * d::kBlockWords * word,
+                 out + offsets[2 * b], out + offsets[2 * b + 1]);
+}
+
+__global__ void delta_plan_kernel(const uint32_t* mask, int64_t nwords, int64_t word, d::BlockPlan* plans,
+                                  int64_t nblocks) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < nblocks; b += int64_t(gridDim.x) * blockDim.x)
+    plan_one(mask, nwords, word, plans, b);
+}
+
+__global__ void delta_write_kernel(const uint32_t* mask, const d::BlockPlan* plans, const int64_t* offsets,
+                                   const uint8_t* base, int64_t nwords, int64_t word, int64_t nblocks, uint8_t* out) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < nblocks; b += int64_t(gridDim.x) * blockDim.x)
+    write_one(mask, plans, offsets, base, nwords, word, nblocks, out, b);
+}
+
+// The delta's size from every block's plan, and each block's absolute index and value offsets.
+inline int64_t delta_layout(const d::BlockPlan* plans, int64_t nblocks, int64_t* offsets) {
+  int64_t index_bytes[d::kModes] = {}, value_bytes[d::kModes] = {};
+  for (int64_t b = 0; b < nblocks; ++b) {
+    index_bytes[plans[b].mode] += plans[b].index_bytes;
+    value_bytes[plans[b].mode] += plans[b].value_bytes;
+  }
+  const d::Sections s = d::layout(nblocks, index_bytes, value_bytes);
+  int64_t index_at[d::kModes], value_at[d::kModes];
+  for (int k = 0; k < d::kModes; ++k) index_at[k] = s.index[k], value_at[k] = s.value[k];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    offsets[2 * b] = index_at[plans[b].mode];
+    offsets[2 * b + 1] = value_at[plans[b].mode];
+    index_at[plans[b].mode] += plans[b].index_bytes;
+    value_at[plans[b].mode] += plans[b].value_bytes;
+  }
+  return s.total;
+}
+
+constexpr int kDeltaThreads = 128;
 
 }  // namespace asyncsync_cuda
 
@@ -310,6 +399,59 @@ extern "C" int asyncsync_pack_cuda(const uint8_t* const* srcs, const int64_t* si
   return cudaGetLastError();
 }
 
+// The pack above into ``base`` (holding the previous version), with the changed words' bits in
+// ``mask`` (ceil(total / word / 32) uint32, on the device) and every block's plan in ``plans``
+// (asyncsync_delta_plan_bytes() each); both kernels on ``stream``, nothing blocks the host.
+extern "C" int asyncsync_pack_delta_cuda(const uint8_t* const* srcs, const int64_t* sizes, const int64_t* dst_offsets,
+                                         int64_t count, uint8_t* base, int64_t total_bytes, cudaStream_t stream,
+                                         uint32_t* checksum_out, void* workspace, uint32_t* mask, int64_t word,
+                                         void* plans) {
+  using namespace asyncsync_cuda;
+  if (!(word == 1 || word == 2 || word == 4 || word == 8) || total_bytes % word || !mask || !plans || !checksum_out ||
+      !workspace || count < 0 || total_bytes <= 0 || !base || (count > 0 && (!srcs || !sizes || !dst_offsets)))
+    return cudaErrorInvalidValue;
+  const int64_t nwords = total_bytes / word, nblocks = (nwords + d::kBlockWords - 1) / d::kBlockWords;
+  cudaError_t err = cudaMemsetAsync(mask, 0, static_cast<size_t>((nwords + 31) / 32) * sizeof(uint32_t), stream);
+  int device = 0, sms = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaMemsetAsync(workspace, 0, sizeof(unsigned), stream);
+  if (err != cudaSuccess) return err;
+  int64_t grid = 1, tpb = 1;
+  launch_shape(total_bytes, static_cast<int64_t>(sms) * kBlocksPerSm, &grid, &tpb);
+  Params p{{srcs, sizes, dst_offsets, count}, base, total_bytes, tpb,
+           reinterpret_cast<uint32_t*>(static_cast<char*>(workspace) + kWorkspaceHeader),
+           static_cast<unsigned*>(workspace), checksum_out, mask, word};
+  pack_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const auto plan_grid = static_cast<unsigned>((nblocks + kDeltaThreads - 1) / kDeltaThreads);
+  delta_plan_kernel<<<plan_grid, kDeltaThreads, 0, stream>>>(mask, nwords, word, static_cast<d::BlockPlan*>(plans),
+                                                             nblocks);
+  return cudaGetLastError();
+}
+
+extern "C" int64_t asyncsync_delta_plan_bytes() { return sizeof(asyncsync_delta::BlockPlan); }
+
+// Host: from the plans (copied to the host), each block's two offsets into the delta
+// (``offsets_out``: 2 x nblocks int64) and the delta's total size.
+extern "C" int64_t asyncsync_delta_layout(const void* plans_host, int64_t nblocks, int64_t* offsets_out) {
+  return asyncsync_cuda::delta_layout(static_cast<const asyncsync_delta::BlockPlan*>(plans_host), nblocks, offsets_out);
+}
+
+// Writes the delta into ``out`` (zeroed, of asyncsync_delta_layout's size) from the mask, the plans,
+// the offsets (on the device) and the packed bytes in ``base``; on ``stream``.
+extern "C" int asyncsync_delta_write_cuda(const uint32_t* mask, const void* plans, const int64_t* offsets,
+                                          const uint8_t* base, int64_t nwords, int64_t word, uint8_t* out,
+                                          cudaStream_t stream) {
+  using namespace asyncsync_cuda;
+  if (!mask || !plans || !offsets || !base || !out || nwords <= 0) return cudaErrorInvalidValue;
+  const int64_t nblocks = (nwords + d::kBlockWords - 1) / d::kBlockWords;
+  const auto grid = static_cast<unsigned>((nblocks + kDeltaThreads - 1) / kDeltaThreads);
+  delta_write_kernel<<<grid, kDeltaThreads, 0, stream>>>(mask, static_cast<const d::BlockPlan*>(plans), offsets, base,
+                                                         nwords, word, nblocks, out);
+  return cudaGetLastError();
+}
+
 extern "C" const char* asyncsync_cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
@@ -340,6 +482,7 @@ struct HostBlock {
   void fence() const { std::atomic_thread_fence(std::memory_order_seq_cst); }
   unsigned arrive(unsigned* c) const { return __atomic_fetch_add(c, 1u, __ATOMIC_SEQ_CST); }
   uint32_t load_partial(const uint32_t* p) const { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+  void or_bits(uint32_t* p, uint32_t bits) const { __atomic_fetch_or(p, bits, __ATOMIC_SEQ_CST); }
 };
 
 uint32_t bitwise_crc32c(const uint8_t* p, size_t n) {
@@ -413,6 +556,128 @@ bool run_case(std::mt19937_64& rng, int index) {
                  bytes_ok ? "ok" : "WRONG", crc_ok ? "ok" : "WRONG");
   return bytes_ok && crc_ok;
 }
+
+// The delta format written from its specification (asyncsync/protocol/delta.py), sharing nothing
+// with delta.h: what the kernels' output must equal byte for byte.
+std::vector<uint8_t> reference_delta(const std::vector<uint8_t>& old, const std::vector<uint8_t>& now, int64_t word) {
+  const int64_t nwords = static_cast<int64_t>(now.size()) / word, B = 65536;
+  const int64_t nblocks = (nwords + B - 1) / B;
+  std::vector<uint32_t> entries;
+  std::vector<uint8_t> modes, index[4], values[4];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * B, bw = std::min(B, nwords - lo);
+    std::vector<int64_t> changed;
+    for (int64_t j = 0; j < bw; ++j)
+      if (std::memcmp(&old[(lo + j) * word], &now[(lo + j) * word], word)) changed.push_back(j);
+    const int64_t c = static_cast<int64_t>(changed.size());
+    int64_t fillers = 0, prev = -1;
+    for (int64_t pos : changed) fillers += (pos - prev - 1) / 256, prev = pos;
+    const int64_t cost[4] = {(c + fillers) * (1 + word), c * (2 + word), (bw + 7) / 8 + c * word, bw * word};
+    int mode = 0;
+    for (int k = 1; k < 4; ++k) mode = cost[k] < cost[mode] ? k : mode;
+    const auto value = [&](int64_t j) { for (int64_t i = 0; i < word; ++i) values[mode].push_back(now[(lo + j) * word + i]); };
+    if (c == 0) mode = 0;
+    modes.push_back(static_cast<uint8_t>(mode));
+    if (c == 0) {
+      entries.push_back(0);
+    } else if (mode == 0) {
+      int64_t k = 0;
+      prev = -1;
+      for (int64_t pos : changed) {
+        for (; pos - prev > 256; ++k) prev += 256, index[0].push_back(255), value(prev);
+        index[0].push_back(static_cast<uint8_t>(pos - prev - 1));
+        value(pos);
+        prev = pos, ++k;
+      }
+      entries.push_back(static_cast<uint32_t>(k));
+    } else if (mode == 1) {
+      prev = -1;
+      for (int64_t pos : changed) {
+        const int64_t gap = pos - prev - 1;
+        index[1].push_back(static_cast<uint8_t>(gap)), index[1].push_back(static_cast<uint8_t>(gap >> 8));
+        value(pos);
+        prev = pos;
+      }
+      entries.push_back(static_cast<uint32_t>(c));
+    } else if (mode == 2) {
+      std::vector<uint8_t> bits(static_cast<size_t>((bw + 7) / 8), 0);
+      for (int64_t pos : changed) bits[pos / 8] |= static_cast<uint8_t>(1u << (pos % 8)), value(pos);
+      index[2].insert(index[2].end(), bits.begin(), bits.end());
+      entries.push_back(static_cast<uint32_t>(c));
+    } else {
+      for (int64_t j = 0; j < bw; ++j) value(j);
+      entries.push_back(static_cast<uint32_t>(bw));
+    }
+  }
+  std::vector<uint8_t> out;
+  const auto put = [&](uint64_t v, int bytes) { for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i))); };
+  const auto pad = [&] { while (out.size() % 8) out.push_back(0); };
+  put(0x31445341u, 4), put(static_cast<uint64_t>(word), 4), put(static_cast<uint64_t>(nwords), 8);
+  put(static_cast<uint64_t>(nblocks), 4), put(static_cast<uint64_t>(B), 4);
+  for (uint32_t e : entries) put(e, 4);
+  pad();
+  out.insert(out.end(), modes.begin(), modes.end());
+  pad();
+  for (int k = 0; k < 4; ++k) {
+    out.insert(out.end(), index[k].begin(), index[k].end());
+    pad();
+    out.insert(out.end(), values[k].begin(), values[k].end());
+    pad();
+  }
+  return out;
+}
+
+// The delta path as the GPU runs it: the pack kernel with the change mask (emulated blocks), the
+// plan kernel's and the write kernel's threads (serially), the host layout in between.
+bool run_delta_case(std::mt19937_64& rng, int index) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const int64_t words[] = {1, 2, 4, 8};
+  const int64_t word = words[pick(0, 3)];
+  const int64_t total = (index % 3 == 0 ? pick(2 * 65536, 3 * 65536 + 999) : pick(1, 70000)) / word * word + word;
+  const double densities[] = {0.0, 0.0005, 0.02, 0.3, 1.0};
+  const double density = densities[index % 5];
+  std::vector<uint8_t> old(static_cast<size_t>(total)), now;
+  for (auto& byte : old) byte = static_cast<uint8_t>(rng());
+  now = old;
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  for (int64_t j = 0; j < total / word; ++j)
+    if (coin(rng) < density) now[j * word + pick(0, word - 1)] ^= static_cast<uint8_t>(pick(1, 255));
+  // The new version's tensors: consecutive slices of it, with gaps between some (a gap keeps the
+  // old bytes, so the new version has them there too).
+  std::vector<const uint8_t*> srcs;
+  std::vector<int64_t> sizes, offsets;
+  for (int64_t at = 0; at < total;) {
+    const int64_t size = std::min(total - at, pick(1, 40000) / word * word + word);
+    if (pick(0, 5))
+      srcs.push_back(now.data() + at), sizes.push_back(size), offsets.push_back(at);
+    else
+      std::memcpy(now.data() + at, old.data() + at, static_cast<size_t>(size));
+    at += size;
+  }
+  std::vector<uint8_t> base = old;
+  const int64_t nwords = total / word, nblocks = (nwords + 65535) / 65536;
+  std::vector<uint32_t> mask(static_cast<size_t>((nwords + 31) / 32), 0);
+  int64_t grid = 1, tpb = 1;
+  launch_shape(total, pick(1, 6), &grid, &tpb);
+  std::vector<uint32_t> partials(static_cast<size_t>(grid));
+  unsigned done = 0;
+  uint32_t crc = 0;
+  Params p{{srcs.data(), sizes.data(), offsets.data(), static_cast<int64_t>(srcs.size())}, base.data(), total, tpb,
+           partials.data(), &done, &crc, mask.data(), word};
+  emulate(p, grid);
+  std::vector<d::BlockPlan> plans(static_cast<size_t>(nblocks));
+  for (int64_t b = 0; b < nblocks; ++b) plan_one(mask.data(), nwords, word, plans.data(), b);
+  std::vector<int64_t> at(static_cast<size_t>(2 * nblocks));
+  std::vector<uint8_t> delta(static_cast<size_t>(delta_layout(plans.data(), nblocks, at.data())), 0);
+  for (int64_t b = 0; b < nblocks; ++b) write_one(mask.data(), plans.data(), at.data(), base.data(), nwords, word, nblocks, delta.data(), b);
+  const bool bytes_ok = base == now && crc == bitwise_crc32c(now.data(), now.size());
+  const bool delta_ok = delta == reference_delta(old, now, word);
+  if (!bytes_ok || !delta_ok)
+    std::fprintf(stderr, "delta case %d failed: %lld bytes of %lld-byte words, density %.4f: packed %s, delta %s\n", index,
+                 static_cast<long long>(total), static_cast<long long>(word), density, bytes_ok ? "ok" : "WRONG",
+                 delta_ok ? "ok" : "WRONG");
+  return bytes_ok && delta_ok;
+}
 }  // namespace
 
 int main() {
@@ -426,6 +691,10 @@ int main() {
   constexpr int kCases = 120;
   for (int i = 0; i < kCases; ++i) failed += run_case(rng, i) ? 0 : 1;
   std::printf("pack_cuda host emulation: %d/%d cases passed\n", kCases - failed, kCases);
-  return failed ? 1 : 0;
+  int delta_failed = 0;
+  constexpr int kDeltaCases = 20;
+  for (int i = 0; i < kDeltaCases; ++i) delta_failed += run_delta_case(rng, i) ? 0 : 1;
+  std::printf("pack_delta_cuda host emulation: %d/%d cases passed\n", kDeltaCases - delta_failed, kDeltaCases);
+  return failed || delta_failed ? 1 : 0;
 }
 #endif  // ASYNCSYNC_PACK_CUDA_SELFTEST

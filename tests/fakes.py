@@ -42,6 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from asyncsync.packing import PackBackend
+from asyncsync.packing.delta import Delta
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.protocol.device import NCCL_GROUP_ENV, HostRuntime, Runtime
 from asyncsync.trainer.streams import StreamSet
@@ -340,11 +341,32 @@ class FakeNcclGroup:
 
 class FakeCudaPack(PackBackend):
     """The pack as a GPU runs it: enqueued on the calling thread's current stream, reading its inputs
-    when the stream gets there; the checksum is a tensor filled in then."""
+    when the stream gets there; the checksum is a tensor filled in then. ``pack_delta`` runs the
+    compiled CPU encoder as that kernel; its delta is read as ``CudaDelta`` reads one (a host sync
+    on the reader's current stream), and a read that the pack did not precede is an error."""
 
     name = "fakecuda"
     device_type = "any"
+    encodes_deltas = True
     fake: FakeCuda | None = None  # set by the test
+    readers: list[str] = []  # the threads that read a delta (set by the test)
+
+    def pack_delta(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], base: torch.Tensor, word: int,
+                   limit: int) -> tuple[torch.Tensor, Delta]:
+        from asyncsync.packing.native import load_cpu_ops
+
+        assert self.fake is not None
+        load_cpu_ops()  # torch.ops.asyncsync: the encoder this fake kernel runs
+        crc = torch.zeros((), dtype=torch.int64)
+        delta = FakeCudaDelta(self.fake, self.readers)
+
+        def kernel() -> None:
+            value, changed, payload = torch.ops.asyncsync.pack_delta(list(tensors), list(offsets), base, word, limit)
+            crc.fill_(value)
+            delta.ran(payload, changed)
+
+        self.fake.launch(kernel)
+        return crc, delta
 
     def pack(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
              checksum: bool) -> torch.Tensor | None:
@@ -358,6 +380,29 @@ class FakeCudaPack(PackBackend):
 
         self.fake.launch(kernel)
         return crc if checksum else None
+
+
+class FakeCudaDelta(Delta):
+    def __init__(self, fake: FakeCuda, readers: list[str]):
+        super().__init__(None, -1)
+        self.fake, self.readers = fake, readers
+        self._ran = threading.Event()
+        self._read = False
+
+    def ran(self, payload: torch.Tensor, changed: int) -> None:
+        self.encoded, self.changed = (payload if payload.numel() else None), changed
+        self._ran.set()
+
+    def payload(self) -> torch.Tensor | None:
+        if not self._read:
+            self.fake.host_sync("reading a delta's plans")
+            self.fake.check_device("reading a delta")
+            self.fake.host_wait(self.fake.record())  # the reader's stream, up to here
+            if not self._ran.is_set():
+                raise FakeCudaError("a delta was read on a stream not ordered after its pack: garbage on a GPU")
+            self.readers.append(threading.current_thread().name)
+            self._read = True
+        return self.encoded
 
 
 class RefuseBeforeReceive:

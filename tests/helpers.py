@@ -17,6 +17,7 @@ import torch
 from aiohttp import web
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
 from asyncsync.protocol.device import HostRuntime
@@ -28,7 +29,6 @@ from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
-from asyncsync.trainer.metrics import SyncMetrics, SyncResult
 from asyncsync.transport.control import ControlLoop
 from asyncsync.transport.membership import Membership
 from asyncsync.transport.send import BucketSource, send_version

@@ -163,7 +163,7 @@ def mesh_2d(rank: int, world: int, urls: list[str], version: int) -> dict[str, A
 def rank_exits(rank: int, urls: list[str], trainer: Trainer, version: int, async_mode: bool) -> dict[str, Any]:
     """Rank 1 exits half-way through the second version; rank 0 must raise ``TrainerRankLost`` within
     its deadline, and the servers keep (and serve) the first version."""
-    from asyncsync.trainer.ranks import TrainerRankLost
+    from asyncsync.ranks import TrainerRankLost
     from asyncsync.trainer.shards import ShardedSource
     from asyncsync.trainer.sync import WeightSync
 

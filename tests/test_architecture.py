@@ -3,7 +3,9 @@ pack backend chosen before any server is touched, and one layout policy for both
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,9 +78,9 @@ class EchoEngine(ReferenceEngine):
 
 
 def test_a_registered_engine_kind_is_accepted_and_built(monkeypatch):
-    from asyncsync import engines
+    from asyncsync.registry import ENGINES
 
-    monkeypatch.setattr(engines, "_REGISTRY", dict(engines._REGISTRY))
+    monkeypatch.setattr(ENGINES, "targets", dict(ENGINES.targets))
     register_engine("echo", f"{__name__}:EchoEngine")
     cfg = WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "echo"}]})
     assert isinstance(make_engine(cfg.servers[0], 1.0), EchoEngine)
@@ -116,3 +118,149 @@ def test_a_changed_layout_is_refused_the_same_way_in_both_modes(two_servers, asy
                 sync.publish(grown, start + 1)
     assert sync.metrics.sent == 0
     assert {s.get("/version")["version"] for s in two_servers} == {start}, "nothing reached the servers"
+
+
+# -- the layer order docs/design.md states, read from the source (ast), in milliseconds ---------------
+
+PACKAGE = REPO / "asyncsync"
+
+
+def design_layers() -> list[tuple[int, list[str]]]:
+    """The ```layers table of docs/design.md: (layer, module prefixes under ``asyncsync.``)."""
+    text = (REPO / "docs" / "design.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    rows = []
+    for line in block.splitlines()[1:]:  # the header row names the columns
+        columns = re.split(r"\s{2,}", line.strip())  # columns are separated by two spaces or more
+        rows.append((int(columns[0]), columns[1].split()))
+    return rows
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every asyncsync module -> the asyncsync modules it imports anywhere (module level, inside
+    functions, under TYPE_CHECKING); ``from package import submodule`` counts as the submodule."""
+    modules = {module_name(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "asyncsync")
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] != "asyncsync":
+                    continue
+                subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+                deps.update(subs or {base})
+                if len(subs) < len(node.names):
+                    deps.add(base)
+        graph[name] = deps - {name}
+    return graph
+
+
+def layer_of(module: str, layers: list[tuple[int, list[str]]]) -> int | None:
+    """The layer of the longest prefix in the table that ``module`` falls under."""
+    best: tuple[int, int] | None = None
+    for number, prefixes in layers:
+        for prefix in prefixes:
+            full = "asyncsync" if prefix == "__init__" else f"asyncsync.{prefix}"
+            exact = prefix == "__init__"
+            if module == full or (not exact and module.startswith(full + ".")):
+                if best is None or len(full) > best[0]:
+                    best = (len(full), number)
+    return best[1] if best else None
+
+
+def layering_problems(graph: dict[str, set[str]], layers: list[tuple[int, list[str]]]) -> list[str]:
+    """Modules the table does not place, imports that go up a layer, and import cycles."""
+    problems = [f"{m} is in no layer of docs/design.md" for m in graph if layer_of(m, layers) is None]
+    for module, deps in graph.items():
+        mine = layer_of(module, layers)
+        for dep in deps:
+            theirs = layer_of(dep, layers)
+            if mine is not None and theirs is not None and theirs > mine:
+                problems.append(f"{module} (layer {mine}) imports {dep} (layer {theirs})")
+    problems += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_import_follows_the_layer_order_of_the_design_and_nothing_imports_in_a_circle():
+    layers = design_layers()
+    graph = import_graph()
+    assert len(layers) >= 8 and len(graph) > 50, "the table or the package was not read"
+    assert "asyncsync.transport.send" in graph["asyncsync.trainer.sync"], "imports inside the package were not seen"
+    assert layering_problems(graph, layers) == []
+
+
+def test_the_trainer_side_below_the_trainer_never_imports_it():
+    graph = import_graph()
+    below = [m for m in graph if m.split(".")[1:2] in (["transport"], ["packing"], ["protocol"])]
+    assert len(below) > 20
+    assert {m: sorted(d for d in graph[m] if d.startswith("asyncsync.trainer")) for m in below
+            if any(d.startswith("asyncsync.trainer") for d in graph[m])} == {}
+
+
+def test_receivers_build_on_the_protocol_not_on_the_trainer_side():
+    graph = import_graph()
+    # checkpoint: the reference server loads a checkpoint-layout version into its transformers module
+    allowed = ("asyncsync.protocol", "asyncsync.receivers", "asyncsync.models", "asyncsync.transport.control",
+               "asyncsync.checkpoint")
+    wrong = {m: sorted(d for d in deps if not d.startswith(allowed))
+             for m, deps in graph.items() if m.startswith("asyncsync.receivers")}
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_the_layer_check_sees_a_cycle_an_upward_import_and_an_unplaced_module():
+    """Negative control: the checker itself reports each kind of problem."""
+    layers = [(1, ["protocol"]), (2, ["packing"]), (3, ["trainer"])]
+    graph = {"asyncsync.packing.a": {"asyncsync.packing.b"}, "asyncsync.packing.b": {"asyncsync.packing.a"},
+             "asyncsync.protocol.x": {"asyncsync.trainer.y"}, "asyncsync.trainer.y": set(), "asyncsync.elsewhere": set()}
+    problems = layering_problems(graph, layers)
+    assert "import cycle: asyncsync.packing.a -> asyncsync.packing.b" in problems
+    assert "asyncsync.protocol.x (layer 1) imports asyncsync.trainer.y (layer 3)" in problems
+    assert "asyncsync.elsewhere is in no layer of docs/design.md" in problems

@@ -55,7 +55,7 @@ def own_servers() -> Iterator[list[ServerProcess]]:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     cuda = FakeCuda(index=1)
     monkeypatch.setattr(sync_module, "runtime_for", lambda device: cuda)
-    monkeypatch.setattr(packing, "_REGISTRY", {**packing._REGISTRY, "fakecuda": "fakes:FakeCudaPack"})
+    monkeypatch.setitem(packing.BACKENDS.targets, "fakecuda", "fakes:FakeCudaPack")
     monkeypatch.setattr(FakeCudaPack, "fake", cuda)
     cuda.enter_thread()  # the trainer computes on cuda:1
     yield cuda
@@ -69,9 +69,11 @@ def config(servers: list[ServerProcess], **extra: object) -> WeightSyncConfig:
 
 
 def train(fake: FakeCuda, sync: WeightSync, servers: list[ServerProcess], steps: int = 8,
-          pause_s: float = 0.0) -> tuple[dict[int, dict[str, str]], dict[str, list[tuple[int, dict[str, str]]]]]:
+          pause_s: float = 0.0, every: int = 1,
+          step_s: float = 0.0) -> tuple[dict[int, dict[str, str]], dict[str, list[tuple[int, dict[str, str]]]]]:
     """The README loop with the optimizer step as a kernel on the trainer's stream; a host-side shadow
-    model applies the same steps at once, so ``published[v]`` is what version v must be."""
+    model applies the same steps at once, so ``published[v]`` is what version v must be. The step
+    changes one element in ``every`` of each parameter and takes ``step_s`` on its stream."""
     model, shadow = build_model(TINY), build_model(TINY)
     start = max(s.get("/version")["version"] for s in servers)
     published = {}
@@ -84,9 +86,10 @@ def train(fake: FakeCuda, sync: WeightSync, servers: list[ServerProcess], steps:
                 delta = 1e-2 * version
 
                 def step(m: torch.nn.Module = model, d: float = delta) -> None:
+                    time.sleep(step_s if m is model else 0.0)
                     with torch.no_grad():
                         for p in m.parameters():
-                            p.add_(d)
+                            p.view(-1)[::every].add_(d)
 
                 fake.launch(step)  # runs on the trainer's stream, after whatever wait_snapshot ordered
                 step(shadow)
@@ -117,6 +120,38 @@ def test_async_on_cuda_is_bit_exact_and_the_boundary_never_waits_on_the_host(fak
     assert sync.errors == [] and fake.kernel_errors == []
     assert torn(published, samples) == []
     assert all(s[-1] == (max(published), published[max(published)]) for s in samples.values())
+
+
+def test_async_deltas_on_cuda_are_read_by_senders_after_their_pack_and_bit_exact(fake, servers):
+    """``pack_delta`` is a kernel on the copy stream; its delta is read (a host sync: sizes before the
+    update request) only by a sender, on its stream ordered after the snapshot's ``done``: never at
+    the boundary (``fake.boundary`` raises on a host sync there), never before the pack ran."""
+    fake.wire_delay_s = 0.02
+    FakeCudaPack.readers = readers = []
+    sync = WeightSync(config(servers, checksum=True, transport="collective"))
+    published, samples = train(fake, sync, servers, every=37)
+    assert sync.errors == [] and fake.kernel_errors == [], (sync.errors, fake.kernel_errors)
+    assert torn(published, samples) == []
+    assert all(s[-1] == (max(published), published[max(published)]) for s in samples.values())
+    assert [r for r in sync.metrics.history if r.delta_base is not None], "versions went out as deltas"
+    assert readers and {r.split("-")[1] for r in readers} == {"send"}
+
+
+def test_the_harness_sees_a_delta_read_before_its_pack(fake, own_servers, monkeypatch):
+    waits = []
+    real = StreamSet.comm_wait
+
+    def comm_wait(self: StreamSet, marker: object) -> None:  # after the first version, no wait for done
+        waits.append(marker)
+        if len(waits) == 1:
+            real(self, marker)
+
+    monkeypatch.setattr(StreamSet, "comm_wait", comm_wait)
+    fake.wire_delay_s = 0.02
+    sync = WeightSync(config(own_servers, checksum=True, transport="collective"))
+    with contextlib.suppress(AssertionError):
+        train(fake, sync, own_servers, steps=6, every=37, step_s=0.3)  # each pack runs 0.3 s late
+    assert any("not ordered after its pack" in e for e in sync.errors), sync.errors
 
 
 def test_senders_broadcast_from_their_own_streams_never_the_trainers(fake, servers):
@@ -185,8 +220,8 @@ def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], di
     """The async worker alone over FakeCuda; returns the bytes each version should have and those read."""
     from asyncsync.trainer import worker as worker_module
     from asyncsync.trainer.buffers import PackedBuffers
-    from asyncsync.trainer.metrics import SyncMetrics
-    from asyncsync.trainer.ranks import TrainerRanks
+    from asyncsync.metrics import SyncMetrics
+    from asyncsync.ranks import TrainerRanks
     from asyncsync.trainer.source import WeightsReader
 
     send = LateReadingSend(fake)
@@ -366,7 +401,7 @@ class WrongBytes(PackBackend):
 def test_a_compiled_backend_that_misbehaves_is_replaced_by_torch(monkeypatch, caplog):
     with pytest.raises(PackBackendUnavailable, match="other bytes or another checksum"):
         check_against_torch(WrongBytes(), torch.device("cpu"))
-    monkeypatch.setattr(packing, "_REGISTRY", {**packing._REGISTRY, "cpp": f"{__name__}:WrongBytes"})
+    monkeypatch.setitem(packing.BACKENDS.targets, "cpp", f"{__name__}:WrongBytes")
     monkeypatch.setattr(packing, "_fallback_reported", set())
     assert get_backend("auto", "cpu").name == "torch"
     assert "packing uses the pure-torch backend" in caplog.text

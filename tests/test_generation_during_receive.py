@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.metrics import SyncResult
 from asyncsync.models import build_model
 from asyncsync.testing import ServerProcess
-from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.send import BucketSource
 
 from conftest import TINY

@@ -30,6 +30,7 @@ from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient, Generation
 from asyncsync.engines.vllm import VllmEngine
+from asyncsync.metrics import SyncResult
 from asyncsync.models import ModelConfig, build_model, generate
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import free_port
@@ -37,7 +38,6 @@ from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest
 from asyncsync.receivers.vllm.launch import VllmServer
 from asyncsync.testing import RogueTrainer, http_call
-from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.send import BucketSource
 
 from helpers import HoldAt, Trainer
@@ -266,6 +266,70 @@ def test_vllm_on_the_trainers_host_maps_each_version_from_shared_memory(vllm_ser
             assert glob.glob(segments), "the version went through the trainer's shared memory"
             assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
     assert not glob.glob(segments), "close() removes the trainer's segments"
+
+
+def test_vllm_rebuilds_deltas_against_the_version_it_loaded_and_refuses_a_corrupted_one(vllm_server, monkeypatch):
+    """Sparse updates go out as deltas: the worker's staging arena still holds the version it loaded,
+    rebuilds each bucket there and checks it against the full bucket's CRC32C, then loads it; vLLM
+    decodes as the trainer does, in both receive modes. A corrupted delta is refused (the arena is
+    then no baseline) and the next version goes whole."""
+    from asyncsync.packing.delta import Delta
+    from asyncsync.trainer.buffers import Prepacked
+
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    served = weight_version(url)
+    version = int(served) if served.isdigit() else 0
+    g = torch.Generator().manual_seed(11)
+
+    def sparse_step() -> None:
+        with torch.no_grad():
+            for p in trainer.parameters():
+                flat = p.view(-1)
+                flat[::29] += torch.randn(flat[::29].shape, generator=g) * 0.5
+
+    for receive in ("background", "in_rpc"):
+        cfg = {"servers": [{"url": url, "kind": "vllm", "receive": receive}], "bucket_bytes": "1MiB", "backend": "gloo"}
+        with WeightSync.from_config(cfg) as sync:
+            sync.connect(trainer)
+            for k in range(3):
+                version += 1
+                sparse_step()
+                result = sync.publish(trainer, version)
+                assert result.server_versions == {url: version}, result.failures
+                assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
+                if k:
+                    assert result.delta_base == version - 1 and result.wire_bytes < 0.2 * result.nbytes, result
+            if receive == "in_rpc":
+                continue
+            original = Prepacked.delta
+
+            def corrupt(source: Prepacked, bucket: object) -> Delta | None:
+                found = original(source, bucket)
+                payload = found.payload() if found is not None else None
+                if payload is None or payload.numel() < 4096:
+                    return found
+                key = (id(source), bucket.index)
+                if key not in corrupted:
+                    bad = payload.clone()
+                    bad[bad.numel() // 2] ^= 0x5A
+                    corrupted[key] = Delta(bad, found.changed)
+                return corrupted[key]
+
+            corrupted: dict = {}
+            monkeypatch.setattr(Prepacked, "delta", corrupt)
+            sparse_step()
+            refused = sync.publish(trainer, version + 1)
+            monkeypatch.setattr(Prepacked, "delta", original)
+            assert refused.delta_base == version and refused.server_versions == {}, refused
+            assert "checksum mismatch" in refused.failures[url] or "does not decode" in refused.failures[url]
+            assert greedy(url)[1] == version and weight_version(url) == str(version), "the loaded version keeps serving"
+            version += 2
+            sparse_step()
+            whole = sync.publish(trainer, version)
+            assert whole.delta_base is None and whole.server_versions == {url: version}, whole.failures
+            assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
 
 
 def test_every_rollout_is_generated_by_the_one_version_it_reports(vllm_server):

@@ -1,4 +1,5 @@
-"""Engine clients by kind: a lazy registry of module paths, as vLLM's weight-transfer factory.
+"""Engine clients by kind: a lazy registry of module paths (``asyncsync.registry.ENGINES``), as vLLM's
+weight-transfer factory.
 
 ``servers[].kind`` in the configuration names one of these; the config refuses a kind that is not
 registered when it loads (naming the key), and a client module is imported only when a server of its
@@ -11,42 +12,34 @@ kind is connected. A new engine registers before the config is loaded::
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from asyncsync.registry import ENGINES
 
 if TYPE_CHECKING:
     from asyncsync.config import ServerConfig
     from asyncsync.engines.base import EngineClient
 
-_REGISTRY: dict[str, str] = {
-    "reference": "asyncsync.engines.reference:ReferenceEngine",
-    "vllm": "asyncsync.engines.vllm:VllmEngine",
-    "sglang": "asyncsync.engines.sglang:SglangEngine",
-}
-
 
 def register_engine(kind: str, target: str) -> None:
     """Make ``kind`` usable in ``servers[].kind``; ``target`` is ``"package.module:ClassName"`` of an
     ``EngineClient`` subclass, imported when a server of that kind is first connected."""
-    if not kind or ":" not in target:
-        raise ValueError(f"register_engine({kind!r}, {target!r}): expected a kind and 'package.module:ClassName'")
-    _REGISTRY[kind] = target
+    ENGINES.register(kind, target)
 
 
 def engine_kinds() -> list[str]:
-    return sorted(_REGISTRY)
+    return ENGINES.names()
 
 
 def engine_class(kind: str) -> type[EngineClient]:
     from asyncsync.engines.base import EngineClient
 
     try:
-        module, name = _REGISTRY[kind].split(":")
+        cls = ENGINES.load(kind)
     except KeyError:
         raise ValueError(f"no engine client for kind {kind!r}; registered kinds: {engine_kinds()}") from None
-    cls = getattr(importlib.import_module(module), name)
     if not (isinstance(cls, type) and issubclass(cls, EngineClient)):
-        raise TypeError(f"engine kind {kind!r} points at {_REGISTRY[kind]}, which is not an EngineClient subclass")
+        raise TypeError(f"engine kind {kind!r} points at {ENGINES.targets[kind]}, which is not an EngineClient subclass")
     return cls
 
 

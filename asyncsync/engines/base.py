@@ -51,11 +51,12 @@ class DataPlaneProtocol:
     multi_group: bool = False   # a server can join several groups, one per owning trainer rank
     shared_memory: bool = False  # a same-host server can map a version instead (``UpdateRequest.shm``)
     framed: bool = False        # every payload follows its frame header (``protocol.frames``)
+    deltas: bool = False  # a bucket may come as a delta against the committed version (``UpdateRequest.delta``)
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
 ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
-                                       multi_group=True, shared_memory=True, framed=True)
+                                       multi_group=True, shared_memory=True, framed=True, deltas=True)
 
 
 class EngineClient(ABC):

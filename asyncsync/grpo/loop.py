@@ -27,9 +27,9 @@ from asyncsync.config import ServerConfig, WeightSyncConfig
 from asyncsync.grpo.config import GRPOConfig
 from asyncsync.grpo.rollout import Group, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.models import build_model
 from asyncsync.receivers.reference.launch import ServerProcess, running
-from asyncsync.trainer.metrics import SyncMetrics, SyncResult
 from asyncsync.trainer.sync import WeightSync
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,7 @@ import yaml
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines.base import parse_weight_version
-from asyncsync.trainer.metrics import SyncResult
+from asyncsync.metrics import SyncResult
 from asyncsync.trainer.sync import WeightSync
 from asyncsync.transport.membership import SyncError
 

@@ -16,12 +16,14 @@ receiver never needs to know which one packed a bucket.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
+
+from asyncsync.packing.delta import Delta
+from asyncsync.registry import LazyRegistry
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,27 @@ class PackBackend(ABC):
 
     name: str
     device_type: str  # the device whose buffers this backend packs: "cpu", "cuda", or "any"
+    encodes_deltas = False  # implements ``pack_delta``
 
     @abstractmethod
     def pack(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
              checksum: bool) -> int | torch.Tensor | None: ...
 
+    def pack_delta(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], base: torch.Tensor, word: int,
+                   limit: int) -> tuple[int | torch.Tensor, Delta]:
+        """``pack`` with the checksum into ``base``, which holds the previous version's bytes (the
+        baseline), and encode what changed, in ``word``-byte words, as ``asyncsync.protocol.delta``
+        specifies: the delta, or none where it would exceed ``limit`` bytes (``packing.delta``).
+        Backends that cannot (``encodes_deltas`` false) send every version whole."""
+        raise PackBackendUnavailable(f"pack backend {self.name!r} does not encode deltas")
+
 
 # name -> "module:Class"; importing the module is what may compile code, so it happens on demand.
-_REGISTRY: dict[str, str] = {
+BACKENDS = LazyRegistry("pack backend", {
     "torch": "asyncsync.packing.torch_backend:TorchPackBackend",
     "cpp": "asyncsync.packing.native:CppPackBackend",
     "cuda": "asyncsync.packing.cuda:CudaPackBackend",
-}
+})
 # What ``auto`` tries first for each device type, before falling back to torch.
 _PREFERRED = {"cpu": "cpp", "cuda": "cuda"}
 _fallback_reported: set[str] = set()
@@ -62,24 +73,20 @@ _fallback_reported: set[str] = set()
 
 def register_backend(name: str, target: str) -> None:
     """Register a backend as ``"package.module:ClassName"``; it is imported when first asked for."""
-    if ":" not in target:
-        raise ValueError(f"register_backend({name!r}, {target!r}): expected 'package.module:ClassName'")
-    _REGISTRY[name] = target
+    BACKENDS.register(name, target)
 
 
 def backend_names() -> list[str]:
     """Every name ``pack_backend`` accepts, ``auto`` included."""
-    return ["auto", *sorted(_REGISTRY)]
+    return ["auto", *BACKENDS.names()]
 
 
 def load_backend(name: str) -> PackBackend:
     """Instantiate the named backend; ``PackBackendUnavailable`` says why it cannot be used here."""
+    if name not in BACKENDS.targets:
+        raise PackBackendUnavailable(f"unknown pack backend {name!r}; available: {backend_names()}")
     try:
-        module, cls = _REGISTRY[name].split(":")
-    except KeyError:
-        raise PackBackendUnavailable(f"unknown pack backend {name!r}; available: {backend_names()}") from None
-    try:
-        backend = getattr(importlib.import_module(module), cls)()
+        backend = BACKENDS.load(name)()
     except PackBackendUnavailable:
         raise
     except Exception as e:  # a failed import or build: name the backend and the cause
@@ -115,8 +122,6 @@ def check_against_torch(backend: PackBackend, device: torch.device) -> None:
     """Pack a small mixed layout with ``backend`` and with the torch backend; raise
     ``PackBackendUnavailable`` unless bytes and checksum agree. A compiled backend that was built but
     cannot run here (a driver older than the compiler, a fault in the kernel) is caught before use."""
-    from asyncsync.packing.torch_backend import TorchPackBackend
-
     g = torch.Generator().manual_seed(0)
     # Item sizes descending, as in a bucket; a transposed view; enough bytes for several pack threads.
     tensors = [torch.randn(37, generator=g).to(torch.float64), torch.randn(5, 3, generator=g).t(),
@@ -132,7 +137,7 @@ def check_against_torch(backend: PackBackend, device: torch.device) -> None:
         crc = int(crc) if crc is not None else None
     except Exception as e:
         raise PackBackendUnavailable(f"pack backend {backend.name!r} failed its check pack on {device}: {e}") from e
-    want_crc = TorchPackBackend().pack(tensors, offsets, want, True)
+    want_crc = load_backend("torch").pack(tensors, offsets, want, True)
     if crc != int(want_crc) or not torch.equal(got, want):
         raise PackBackendUnavailable(f"pack backend {backend.name!r} wrote other bytes or another checksum than the "
                                      f"torch backend in its check pack on {device}; it is not used")

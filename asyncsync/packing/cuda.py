@@ -8,6 +8,11 @@ headers ``ATen/cuda`` needs), built with nvcc into a shared library at first use
 hash) and called on the caller's current stream. Nothing in ``pack`` waits for the device: the table
 of ranges goes up from pinned memory without blocking, and the checksum comes back as a 0-dim device
 tensor that the caller reads when it needs it.
+
+``pack_delta`` launches the same kernel with a change mask, and a plan of every block of the delta
+format behind it: still nothing waits. The delta itself is sized and written when the sender asks
+for it (``CudaDelta.payload``, on the sender's thread and stream, after the snapshot's ``done``):
+that reads the plans to the host, the one wait of the delta path, never at the step boundary.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,15 +30,9 @@ import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
 from asyncsync.packing.checks import UnpackableTensor, check_tensor, memory_problem
-from asyncsync.packing.native import CSRC, CUDA_SOURCE
-
-
-def nvcc_path() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return str(Path(CUDA_HOME) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+from asyncsync.packing.csrc import CSRC, CUDA_SOURCE, HEADERS, nvcc_path
+from asyncsync.packing.delta import Delta
+from asyncsync.protocol.delta import BLOCK_WORDS
 
 
 @functools.cache
@@ -47,7 +45,7 @@ def cuda_library() -> ctypes.CDLL:
         raise PackBackendUnavailable("nvcc not found; install the CUDA toolkit or set CUDA_HOME to build the CUDA pack kernel")
     if not CUDA_SOURCE.exists():
         raise PackBackendUnavailable(f"no {CUDA_SOURCE.name} to build: this is not a source checkout")
-    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + (CSRC / "crc32c.h").read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     lib_path = Path(get_default_build_root()) / f"asyncsync_pack_cuda_{digest}" / "libasyncsync_pack_cuda.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +64,14 @@ def cuda_library() -> ctypes.CDLL:
     lib.asyncsync_pack_cuda_workspace_bytes.restype = i64
     lib.asyncsync_cuda_error_string.argtypes = [ctypes.c_int]
     lib.asyncsync_cuda_error_string.restype = ctypes.c_char_p
+    lib.asyncsync_pack_delta_cuda.argtypes = [vp, vp, vp, i64, vp, i64, vp, vp, vp, vp, i64, vp]
+    lib.asyncsync_pack_delta_cuda.restype = ctypes.c_int
+    lib.asyncsync_delta_plan_bytes.argtypes = []
+    lib.asyncsync_delta_plan_bytes.restype = i64
+    lib.asyncsync_delta_layout.argtypes = [vp, i64, vp]
+    lib.asyncsync_delta_layout.restype = i64
+    lib.asyncsync_delta_write_cuda.argtypes = [vp, vp, vp, vp, i64, i64, vp, vp]
+    lib.asyncsync_delta_write_cuda.restype = ctypes.c_int
     return lib
 
 
@@ -74,6 +80,7 @@ class CudaPackBackend(PackBackend):
 
     name = "cuda"
     device_type = "cuda"
+    encodes_deltas = True
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -85,13 +92,33 @@ class CudaPackBackend(PackBackend):
         table = launch_table(tensors, offsets, out, self.device_type)  # raises before the kernel sees anything
         return self._launch(table, out, checksum)
 
+    def pack_delta(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], base: torch.Tensor, word: int,
+                   limit: int) -> tuple[torch.Tensor, Delta]:
+        table = launch_table(tensors, offsets, base, self.device_type)
+        if table.end % word or table.end == 0:
+            raise ValueError(f"a bucket of {table.end} bytes is not whole words of {word} bytes")
+        nwords = table.end // word
+        nblocks = -(-nwords // BLOCK_WORDS)
+        mask = torch.empty(-(-nwords // 32), dtype=torch.int32, device=base.device)
+        plans = torch.empty(nblocks * self.lib.asyncsync_delta_plan_bytes(), dtype=torch.uint8, device=base.device)
+        ptrs = _upload(table, base.device)
+        crc_out = torch.empty(1, dtype=torch.int32, device=base.device)
+        workspace = torch.empty(self.lib.asyncsync_pack_cuda_workspace_bytes(table.end), dtype=torch.uint8,
+                                device=base.device)
+        stream = torch.cuda.current_stream(base.device).cuda_stream
+        with torch.cuda.device(base.device):
+            err = self.lib.asyncsync_pack_delta_cuda(
+                ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), len(table.rows), base.data_ptr(), table.end,
+                stream, crc_out.data_ptr(), workspace.data_ptr(), mask.data_ptr(), word, plans.data_ptr())
+        if err:
+            raise RuntimeError(f"asyncsync_pack_delta_cuda failed: {self.lib.asyncsync_cuda_error_string(err).decode()}")
+        crc = crc_out[0].to(torch.int64) & 0xFFFFFFFF
+        return crc, CudaDelta(self.lib, mask, plans, base[: table.end], word, limit)
+
     def _launch(self, table: LaunchTable, out: torch.Tensor, checksum: bool) -> torch.Tensor | None:
         """One kernel launch over ``table``'s validated ranges, on the current stream of ``out``'s device."""
         rows, end = table.rows, table.end
-        ptrs = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
-        # Pinned, so the upload does not block the host; the caching host allocator keeps the block
-        # until the copy has run on this stream.
-        ptrs = ptrs.pin_memory().to(out.device, non_blocking=True)
+        ptrs = _upload(table, out.device)
         crc_out = torch.empty(1, dtype=torch.int32, device=out.device) if checksum else None
         workspace = torch.empty(self.lib.asyncsync_pack_cuda_workspace_bytes(end), dtype=torch.uint8, device=out.device)
         stream = torch.cuda.current_stream(out.device).cuda_stream
@@ -103,6 +130,52 @@ class CudaPackBackend(PackBackend):
         if err:
             raise RuntimeError(f"asyncsync_pack_cuda failed: {self.lib.asyncsync_cuda_error_string(err).decode()}")
         return (crc_out[0].to(torch.int64) & 0xFFFFFFFF) if crc_out is not None else None
+
+
+class CudaDelta(Delta):
+    """A bucket's delta on the device: planned by ``pack_delta``'s kernels, sized and written at the
+    first ``payload()`` (on the calling thread's current stream, which must be ordered after the
+    pack: a sender's, after the snapshot's ``done``). That call waits for the plans (a host sync)."""
+
+    def __init__(self, lib: ctypes.CDLL, mask: torch.Tensor, plans: torch.Tensor, base: torch.Tensor, word: int,
+                 limit: int):
+        super().__init__(None, -1)
+        self._lib, self._mask, self._plans, self._base, self._word, self._limit = lib, mask, plans, base, word, limit
+        self._done = False
+
+    def payload(self) -> torch.Tensor | None:
+        if self._done:
+            return self.encoded
+        self._done = True
+        device = self._base.device
+        stream = torch.cuda.current_stream(device)
+        for t in (self._mask, self._plans, self._base):
+            t.record_stream(stream)  # used here, on another stream than the pack's
+        plans = self._plans.cpu()  # the wait: the plans of every block
+        nblocks = plans.numel() // self._lib.asyncsync_delta_plan_bytes()
+        offsets = torch.empty(2 * nblocks, dtype=torch.int64).pin_memory()
+        total = self._lib.asyncsync_delta_layout(plans.data_ptr(), nblocks, offsets.data_ptr())
+        if total > self._limit:
+            return None  # it does not pay: the bucket goes whole
+        out = torch.zeros(total, dtype=torch.uint8, device=device)
+        offsets = offsets.to(device, non_blocking=True)
+        with torch.cuda.device(device):
+            err = self._lib.asyncsync_delta_write_cuda(self._mask.data_ptr(), self._plans.data_ptr(), offsets.data_ptr(),
+                                                       self._base.data_ptr(), self._base.numel() // self._word,
+                                                       self._word, out.data_ptr(), stream.cuda_stream)
+        if err:
+            raise RuntimeError(f"asyncsync_delta_write_cuda failed: {self._lib.asyncsync_cuda_error_string(err).decode()}")
+        self.encoded = out
+        return out
+
+
+def _upload(table: LaunchTable, device: torch.device) -> torch.Tensor:
+    """The kernel's table of (source address, bytes, destination offset), on ``device``. Pinned, so
+    the upload does not block the host; the caching host allocator keeps the block until the copy
+    has run on this stream."""
+    rows = table.rows
+    ptrs = torch.tensor([[r[2] for r in rows], [r[1] for r in rows], [r[0] for r in rows]], dtype=torch.int64)
+    return ptrs.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -27,20 +27,12 @@ from pathlib import Path
 import torch
 
 from asyncsync.packing import PackBackend, PackBackendUnavailable
+from asyncsync.packing.csrc import CPU_SOURCE, CSRC, HEADERS, build_helpers, nvcc_path
+from asyncsync.packing.delta import Delta, encoded
 
 NO_EXT_ENV = "ASYNCSYNC_NO_EXT"
 INSTALLED_MODULE = "asyncsync._pack_cpu"
 JIT_NAME = "asyncsync_pack_cpu"
-CSRC = Path(__file__).resolve().parents[2] / "csrc"  # present in a source checkout only
-CPU_SOURCE = CSRC / "pack_cpu.cpp"
-CUDA_SOURCE = CSRC / "pack_cuda.cu"
-
-
-def _build_helpers():  # csrc/build.py: the flags setup.py uses too
-    spec = importlib.util.spec_from_file_location("asyncsync_csrc_build", CSRC / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_cpu_ops(name: str = JIT_NAME, defines: Sequence[str] = ()) -> None:
@@ -53,9 +45,9 @@ def build_cpu_ops(name: str = JIT_NAME, defines: Sequence[str] = ()) -> None:
 
     if not CPU_SOURCE.exists():
         raise PackBackendUnavailable(f"no {CPU_SOURCE.name} to build: this is not a source checkout")
-    cflags, ldflags = _build_helpers().cpu_flags(torch)
-    # torch's JIT cache hashes the sources and flags, not included headers: hash the header in.
-    header = hashlib.sha256((CSRC / "crc32c.h").read_bytes()).hexdigest()[:12]
+    cflags, ldflags = build_helpers().cpu_flags(torch)
+    # torch's JIT cache hashes the sources and flags, not included headers: hash the headers in.
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
     load(name=name, sources=[str(CPU_SOURCE)], extra_include_paths=[str(CSRC)],
          extra_cflags=[*cflags, f"-DASYNCSYNC_HEADER_HASH={header}", *(f"-D{d}" for d in defines)],
          extra_ldflags=ldflags, is_python_module=False, verbose=False)
@@ -82,7 +74,7 @@ def _load_cpu_ops() -> str:
         raise PackBackendUnavailable(f"the compiled pack op is disabled by {NO_EXT_ENV}={os.environ[NO_EXT_ENV]}")
     installed = importlib.util.find_spec(INSTALLED_MODULE)
     stale = installed is not None and CPU_SOURCE.exists() and max(
-        p.stat().st_mtime for p in (CPU_SOURCE, CSRC / "crc32c.h")) > Path(installed.origin).stat().st_mtime
+        p.stat().st_mtime for p in (CPU_SOURCE, *HEADERS)) > Path(installed.origin).stat().st_mtime
     if installed is not None and not stale:
         importlib.import_module(INSTALLED_MODULE)  # registers the ops (TORCH_LIBRARY) as it loads
         return f"installed build ({Path(installed.origin).name})"
@@ -100,6 +92,7 @@ class CppPackBackend(PackBackend):
 
     name = "cpp"
     device_type = "cpu"
+    encodes_deltas = True
 
     def __init__(self) -> None:
         self.source = load_cpu_ops()
@@ -108,6 +101,14 @@ class CppPackBackend(PackBackend):
         with torch.no_grad():
             crc = torch.ops.asyncsync.pack(list(tensors), list(offsets), out, checksum)
         return crc if checksum else None
+
+    def pack_delta(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], base: torch.Tensor, word: int,
+                   limit: int) -> tuple[int, Delta]:
+        """One pass per block (csrc/pack_cpu.cpp ``pack_delta``): the baseline's block is read, the
+        new bytes packed over it with the CRC32C, the changed words found and encoded in cache."""
+        with torch.no_grad():
+            crc, changed, payload = torch.ops.asyncsync.pack_delta(list(tensors), list(offsets), base, word, limit)
+        return crc, encoded(payload, changed)
 
 
 def unpack_into(buf: torch.Tensor, offsets: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
@@ -133,8 +134,6 @@ def status() -> dict[str, object]:
             cuda = f"built with nvcc from csrc/ ({get_backend('auto', 'cuda').name} selected for CUDA weights)"
         except Exception as e:
             cuda = f"unavailable: {e}"
-    from asyncsync.packing.cuda import nvcc_path
-
     return {
         "pack_backend (cpu weights)": get_backend("auto", "cpu").name,
         "cpu_extension": cpu, "cpu_extension_error": cpu_error, "checksum": checksum,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncsync.protocol.checksum import bucket_crc
+from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
 from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
@@ -93,7 +94,13 @@ class BucketStager:
         # or, one bucket per call (SGLang's protocol):
         stager.receive_bucket(meta); ...; staged = stager.seal(version, served)
         apply(staged.tensors())                      # the receiver's business
-        stager.mark_live(staged)                     # only if the live weights now alias the buffers
+        stager.mark_live(staged)                     # the live weights now alias the buffers, or:
+        stager.mark_committed(staged)                # the receiver copied the version out (vLLM)
+
+    The committed version's bytes are the baseline of a delta version (``UpdateRequest.delta``):
+    each delta bucket is rebuilt from them into the staging and checked against the full bucket's
+    CRC32C. They stay intact where the live weights alias them (a set never received into); in an
+    arena they last until the next version is received into it.
     """
 
     def __init__(self, expected: Mapping[str, TensorSpec], join_route: str, runtime: Runtime | None = None,
@@ -121,6 +128,7 @@ class BucketStager:
         self._mappings: dict[str, torch.Tensor] = {}  # segment -> its mapping (the live one and the last adopted)
         self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
         self._partial_problems: list[str] = []
+        self._committed: StagedVersion | None = None  # the baseline of delta versions, while intact
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
         """Join the trainer's group (a sharded trainer's: one per owning trainer rank, in order) as
@@ -169,17 +177,24 @@ class BucketStager:
             return self.adopt(req, served_version, carrying)
         group = self._require_group()
         self.discard()
+        base = self._committed
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
         self._refuse_unreceivable(req, buckets, carrying)
         problems = self._check_complete(list(buckets), req.version, served_version, carrying)
+        unusable = _check_base(req, base) if req.delta is not None else []
+        problems += unusable
+        base = None if unusable else base
         target = self._set_for(req.buckets)
         staged = StagedVersion.of(req.version, target.buffers, buckets)
         n = len(req.buckets)
-        payloads = list(target.buffers)
+        # Deltas land in buffers of their own and are rebuilt into the target once they arrived.
+        deltas = [torch.empty(k, dtype=torch.uint8, device=group.device) if k else None
+                  for k in (req.delta.nbytes if req.delta is not None else [0] * n)]
+        payloads = [d if d is not None else buf for d, buf in zip(deltas, target.buffers)]
         if req.checksum:
             payloads.append(torch.zeros(n, dtype=torch.int64, device=group.device))
         frames = VersionFrames.of(req)
-        crcs: list[int | torch.Tensor] = []
+        crcs: list[int | torch.Tensor | None] = []
         header: tuple[DataPlaneGroup, Work, torch.Tensor] | None = None
         landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
         try:
@@ -196,8 +211,10 @@ class BucketStager:
                     header = self._post_header(req, i + 1)
                 if landing is not None:
                     landing[0].wait(landing[1])
-                    if req.checksum:
-                        crcs.append(bucket_crc(payloads[len(crcs)]))  # on a device: computed there, read once at the end
+                    if req.checksum:  # on a device: computed there, read once at the end
+                        j = len(crcs)
+                        crcs.append(bucket_crc(payloads[j]) if deltas[j] is None
+                                    else self._rebuild(j, deltas[j], base, target.buffers[j], buckets[j], problems))
                 landing = (on, work)
             assert landing is not None
             landing[0].wait(landing[1])
@@ -219,11 +236,23 @@ class BucketStager:
                                   f"data-plane group (call {self.join_route} again)")
         if req.checksum:
             manifest = payloads[n].tolist()
-            bad = [i for i, (got, want) in enumerate(zip(crcs, manifest)) if int(got) != want]
+            bad = [i for i, (got, want) in enumerate(zip(crcs, manifest)) if got is not None and int(got) != want]
             if bad:
                 problems.append(f"checksum mismatch in bucket(s) {bad}")
         _reject_if(problems, req.version)
         return staged
+
+    def _rebuild(self, index: int, payload: torch.Tensor, base: StagedVersion | None, out: torch.Tensor,
+                 bucket: Bucket, problems: list[str]) -> int | torch.Tensor | None:
+        """Bucket ``index`` rebuilt into ``out`` from the committed version and its delta; its CRC32C,
+        or None (and a problem) when there is no usable baseline or the delta does not decode."""
+        if base is None:
+            return None
+        try:
+            return rebuild(payload, base.buffers[index], out, delta_word(bucket))
+        except DeltaError as e:
+            problems.append(f"bucket {index}'s delta does not decode: {e}")
+            return None
 
     def _post_header(self, req: UpdateRequest, index: int) -> tuple[DataPlaneGroup, Work, torch.Tensor]:
         """Post the receive of frame ``index``'s header, on the group its payload arrives on. Its
@@ -304,7 +333,10 @@ class BucketStager:
         return (self._live_segment,) if self._live_segment is not None else ()
 
     def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
-        """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped."""
+        """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped.
+        A set in the arena is received into over the committed version, which is then no baseline."""
+        if self.arena is not None:
+            self._committed = None
         if self.arena is not None and sum(m.nbytes for m in layout) <= self.arena.numel():
             views, offset = [], 0
             for m in layout:
@@ -423,12 +455,29 @@ class BucketStager:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
         self._live_segment = staged.segment
         self._live = next((s for s in self._sets if s.buffers is staged.buffers), None)
+        self.mark_committed(staged)
+
+    def mark_committed(self, staged: StagedVersion) -> None:
+        """``staged`` is the version the receiver now serves: its bytes are the next delta's baseline."""
+        self._committed = staged
 
     def close(self, broken: bool = False) -> None:
         """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""
         groups, self.groups = self.groups, []
         for group in groups:
             group.close(broken)
+
+
+def _check_base(req: UpdateRequest, base: StagedVersion | None) -> list[str]:
+    """Why ``req``'s deltas cannot be rebuilt here: no committed version held intact, or another one."""
+    assert req.delta is not None
+    if base is None:
+        return [f"delta against version {req.delta.base}, but this receiver holds no committed version intact "
+                "(restarted, or its last version was refused): send it whole"]
+    if base.version != req.delta.base or tuple(BucketMeta.of(b) for b in base.buckets) != req.buckets:
+        return [f"delta against version {req.delta.base}, but this receiver committed version {base.version}"
+                + ("" if base.version != req.delta.base else " in another bucket layout") + ": send it whole"]
+    return []
 
 
 def _reject_if(problems: list[str], version: int | None) -> None:

@@ -254,6 +254,29 @@ class SharedVersion:
 
 
 @dataclass(frozen=True)
+class DeltaVersion:
+    """The version arrives as deltas against ``base``, the version the receiver committed last
+    (``protocol/delta.py``): bucket i is broadcast as ``nbytes[i]`` encoded bytes, or whole where
+    ``nbytes[i]`` is 0. The checksum manifest still carries the full buckets' CRC32Cs, which the
+    rebuilt buckets must match; a receiver that does not hold ``base`` intact refuses the version."""
+
+    base: int
+    nbytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _int_in(self.base, 1, MAX_VERSION, "update.delta.base")
+        for n in self.nbytes:
+            _int_in(n, 0, MAX_BYTES, "update.delta.nbytes")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base": self.base, "nbytes": list(self.nbytes)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeltaVersion:
+        return cls(_field(data, "base", int, "update.delta"), tuple(_list(data, "nbytes", "update.delta", MAX_BUCKETS)))
+
+
+@dataclass(frozen=True)
 class UpdateRequest:
     """A whole version: every bucket's metadata, in broadcast order. With ``checksum`` the trainer
     broadcasts one more int64 tensor after the last bucket: the CRC32C of every bucket.
@@ -266,7 +289,10 @@ class UpdateRequest:
     engine): ``in_rpc`` inside the call that carries this request, which is answered once the version
     is received, verified and applied (the default, and what every other receiver does);
     ``background`` on a worker thread, answering at once: the version is verified there and applied,
-    or refused, by the call that ends the update."""
+    or refused, by the call that ends the update.
+
+    ``delta`` (optional): the buckets arrive as deltas against the version the receiver committed
+    last (``DeltaVersion``); the receiver rebuilds each in its staging and verifies the result."""
 
     version: int
     buckets: tuple[BucketMeta, ...]
@@ -275,6 +301,7 @@ class UpdateRequest:
     sources: tuple[int, ...] = ()  # per bucket, the group it arrives on (InitGroupRequest.groups); () = all group 0
     receive: str = "in_rpc"
     shm: SharedVersion | None = None  # same-host receivers: the version is in shared memory, not on the data plane
+    delta: DeltaVersion | None = None  # buckets sent as deltas against the receiver's committed version
 
     def __post_init__(self) -> None:
         _int_in(self.version, 0, MAX_VERSION, "update.version")
@@ -282,6 +309,17 @@ class UpdateRequest:
             raise WireError(f"update.buckets: must list 1 to {MAX_BUCKETS} buckets, got {len(self.buckets)}")
         if sum(b.nbytes for b in self.buckets) > MAX_BYTES:
             raise WireError(f"update.buckets: the version would pass {MAX_BYTES} bytes")
+        if self.delta is not None:
+            if len(self.delta.nbytes) != len(self.buckets):
+                raise WireError(f"update.delta.nbytes: {len(self.delta.nbytes)} size(s) for {len(self.buckets)} bucket(s)")
+            if not self.checksum or self.shm is not None:
+                raise WireError("update.delta: a delta version needs checksum true (the rebuilt buckets are verified "
+                                "against it) and comes over the data plane, not shared memory")
+            if self.delta.base >= self.version:
+                raise WireError(f"update.delta.base: {self.delta.base} is not older than the version {self.version}")
+            over = [i for i, (n, b) in enumerate(zip(self.delta.nbytes, self.buckets)) if n >= b.nbytes]
+            if over:
+                raise WireError(f"update.delta.nbytes: bucket(s) {over} are no smaller as a delta than whole")
         if self.shm is not None and len(self.shm.offsets) != len(self.buckets):
             raise WireError(f"update.shm.offsets: {len(self.shm.offsets)} offset(s) for {len(self.buckets)} bucket(s)")
         if self.shm is not None and self.checksum and not self.shm.crcs:
@@ -322,6 +360,8 @@ class UpdateRequest:
             out["receive"] = self.receive
         if self.shm is not None:
             out["shm"] = self.shm.to_json()
+        if self.delta is not None:
+            out["delta"] = self.delta.to_json()
         return out
 
     @classmethod
@@ -336,7 +376,8 @@ class UpdateRequest:
         receive = _field(data, "receive", str, "update") if "receive" in data else "in_rpc"
         buckets = tuple(BucketMeta.from_json(b, f"update.buckets[{i}]") for i, b in enumerate(raw))
         shm = SharedVersion.from_json(_field(data, "shm", dict, "update")) if "shm" in data else None
-        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive, shm)
+        delta = DeltaVersion.from_json(_field(data, "delta", dict, "update")) if "delta" in data else None
+        return cls(version, buckets, checksum, tuple(deadlines), tuple(sources), receive, shm, delta)
 
 
 @dataclass(frozen=True)

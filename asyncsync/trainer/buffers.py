@@ -8,6 +8,9 @@
     result = send_version(members, v, plan, snapshot.packed())
     shared = PackedBuffers(plan, device, packer, checksum, pool=pool) # same-host servers: each version packed
                                                                       # into a shared-memory segment (transport/shm.py)
+    baseline = PackedBuffers(plan, device, packer, True, delta=True)  # each version packed over the last one,
+    baseline.pack_all(named, version)                                 # its changes encoded on the way
+                                                                      # (packing/delta.py)
 
 Both pack through ``pack`` with the same backend, checksum and layout check; what differs is when
 the packing happens (just in time, on the sending thread, or ahead, on the snapshot thread) and so
@@ -29,7 +32,9 @@ import torch
 
 from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
+from asyncsync.packing.delta import Delta, limit
 from asyncsync.protocol.checksum import bucket_crc
+from asyncsync.protocol.delta import delta_word
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.trainer.source import check_layout
 from asyncsync.transport.shm import Segment, SegmentPool
@@ -54,14 +59,25 @@ class PackedBuffers:
 
     ``pool`` (``slots=None`` only): the buffers are a shared-memory segment, a fresh lease taken at
     each ``pack_all`` (``SegmentPool.acquire``: one no server still maps), so same-host servers map
-    the packed version itself and nothing is copied for them."""
+    the packed version itself and nothing is copied for them.
+
+    ``delta`` (``slots=None``, no pool): the buffers are the baseline of delta versions. ``pack_all``
+    packs each version over the last one and encodes what changed on the way (``packing.delta``);
+    ``version`` is the version whose bytes they hold, ``delta_base`` the one the deltas of the last
+    ``pack_all`` are against (None: none was encoded)."""
 
     def __init__(self, plan: BucketPlan, device: torch.device, packer: PackBackend, checksum: bool,
-                 slots: int | None = None, pool: SegmentPool | None = None):
+                 slots: int | None = None, pool: SegmentPool | None = None, delta: bool = False):
         if slots is not None and slots < 1:
             raise ValueError(f"a ring needs at least one buffer, got slots={slots}")
         if pool is not None and (slots is not None or device.type != "cpu"):
             raise ValueError("shared-memory buffers hold a whole version in host memory (slots=None, a CPU device)")
+        if delta and (slots is not None or pool is not None or not checksum or not packer.encodes_deltas):
+            raise ValueError("a delta baseline is a whole version in buffers of its own, checksummed, packed by a "
+                             "backend that encodes deltas")
+        self.delta = delta
+        self.version: int | None = None
+        self.delta_base: int | None = None
         self.pool = pool
         self.segment: Segment | None = None
         self.plan, self.packer, self.checksum, self.slots, self.device = plan, packer, checksum, slots, device
@@ -79,6 +95,7 @@ class PackedBuffers:
             sizes = [max((b.nbytes for b in packed), default=0)] * min(slots, len(packed))
         self.buffers = [] if pool is not None else [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self.crcs: list[Crc] = [None] * len(self.buffers)
+        self.deltas: list[Delta | None] = [None] * len(self.buffers)
 
     @property
     def nbytes(self) -> int:
@@ -99,36 +116,50 @@ class PackedBuffers:
         """The index of the bucket whose buffer ``bucket`` is packed into next, if any."""
         return self._reuses.get(bucket.index)
 
-    def pack(self, bucket: Bucket, named: Mapping[str, torch.Tensor]) -> None:
-        """Pack one bucket of ``named``, already checked by ``check_layout``. A backend that still
-        refuses a tensor (its own checks: another thread freed or resized it since) raises
-        ``UnpackableTensor`` naming it."""
+    def pack(self, bucket: Bucket, named: Mapping[str, torch.Tensor], encode: bool = False) -> None:
+        """Pack one bucket of ``named``, already checked by ``check_layout`` (``encode``: over the
+        baseline, encoding what changed). A backend that still refuses a tensor (its own checks:
+        another thread freed or resized it since) raises ``UnpackableTensor`` naming it."""
         slot = self._slot[bucket.index]
         out = self.buffers[slot][: bucket.nbytes]
         tensors = [named[s.name] for s in bucket.specs]
+        self.deltas[slot] = None
         try:
-            self.crcs[slot] = self.packer.pack(tensors, bucket.offsets, out, self.checksum)
+            if encode:
+                self.crcs[slot], self.deltas[slot] = self.packer.pack_delta(
+                    tensors, bucket.offsets, out, delta_word(bucket), limit(bucket.nbytes))
+            else:
+                self.crcs[slot] = self.packer.pack(tensors, bucket.offsets, out, self.checksum)
         except (ValueError, TypeError) as e:
             self.crcs[slot] = None
             culprit = next((f"tensor '{s.name}' {p}" for s, t in zip(bucket.specs, tensors)
                             if (p := memory_problem(t)) is not None), None)
             raise UnpackableTensor(f"packing bucket {bucket.index} failed: {culprit or e}") from e
 
-    def pack_all(self, named: Mapping[str, torch.Tensor]) -> None:
-        """Pack a whole version (``slots=None`` only); raises ``LayoutChanged`` (or ``UnpackableTensor``
-        for a tensor on another device) before writing anything."""
+    def pack_all(self, named: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Pack ``version`` whole (``slots=None`` only); raises ``LayoutChanged`` (or ``UnpackableTensor``
+        for a tensor on another device) before writing anything. A delta baseline encodes it against
+        the version the buffers held; until every bucket is packed they hold none."""
         assert self.slots is None, "a ring holds only a few buckets at a time"
         check_layout(self.plan, named, self.device)
         if self.pool is not None:
             self.segment = self.pool.acquire(self.segment)
             self.buffers = list(self.segment.views)
             self.crcs = [None] * len(self.buffers)
+            self.deltas = [None] * len(self.buffers)
+        base = self.version if self.delta else None
+        self.version = self.delta_base = None
         for bucket in self.plan.buckets:
-            self.pack(bucket, named)
+            self.pack(bucket, named, encode=base is not None)
+        self.version, self.delta_base = version, base
 
     def get(self, bucket: Bucket) -> tuple[torch.Tensor, Crc]:
         slot = self._slot[bucket.index]
         return self.buffers[slot][: bucket.nbytes], self.crcs[slot]
+
+    def delta_of(self, bucket: Bucket) -> Delta | None:
+        """What the last ``pack_all`` encoded of ``bucket`` (None: not encoded)."""
+        return self.deltas[self._slot[bucket.index]]
 
     def packed(self) -> Prepacked:
         """A source for ``send_version`` over what ``pack_all`` wrote."""
@@ -148,6 +179,8 @@ class Prepacked:
         self.buffers = buffers
         # Same-host servers map this segment instead of receiving the buckets (None: not in shared memory).
         self.segment = buffers.segment
+        # The version the buckets' deltas are against (None: no deltas): a server that committed it may get them.
+        self.delta_base = buffers.delta_base
 
     def reuses(self, bucket: Bucket) -> int | None:
         return None
@@ -157,6 +190,10 @@ class Prepacked:
 
     def checksum(self, bucket: Bucket) -> Crc:
         return self.buffers.get(bucket)[1]
+
+    def delta(self, bucket: Bucket) -> Delta | None:
+        """``bucket`` encoded against ``delta_base`` (its ``payload()`` is None: send it whole)."""
+        return self.buffers.delta_of(bucket)
 
 
 class PackOnDemand:

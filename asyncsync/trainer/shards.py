@@ -231,7 +231,7 @@ class ShardedBuffers:
         start, size = self._areas[index]
         return self.snapshot[start : start + size]
 
-    def pack_all(self, named: Mapping[str, torch.Tensor]) -> None:
+    def pack_all(self, named: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """The snapshot: this rank's pieces of every bucket; raises ``LayoutChanged`` (or
         ``UnpackableTensor``) before writing anything."""
         check_layout(self.plan, named, self.device)

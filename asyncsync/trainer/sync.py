@@ -29,15 +29,16 @@ import torch
 
 from asyncsync.checkpoint import LayoutError
 from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
 from asyncsync.packing import PackBackend, get_backend
 from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version_name
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
+from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.adapter import Adapter
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
+from asyncsync.trainer.delta import EncodeAhead, keeps_baseline
 from asyncsync.trainer.layout import PeftMerge, WeightLayout
-from asyncsync.trainer.metrics import SyncEvent, SyncMetrics, SyncResult
-from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)
@@ -82,6 +83,8 @@ class WeightSync:
         self._ring: PackedBuffers | ShardedBuffers | None = None
         self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
         self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
+        self._baseline: PackedBuffers | None = None  # blocking mode's delta baseline (trainer/delta.py)
+        self._ahead = EncodeAhead()
         self._reader = WeightsReader()
         self.layout: WeightLayout | None = None  # the engines' layout of the weights (None: convert= gives it)
         self.ranks = TrainerRanks()  # this process's place among a sharded trainer's ranks (a world of one)
@@ -114,12 +117,12 @@ class WeightSync:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, snapshots
-        async, and the shared-memory segments same-host servers map)."""
+        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, and the
+        delta baseline; snapshots async; the shared-memory segments same-host servers map)."""
         shared = self._pool.allocated if self._pool is not None else 0
         if self._worker is not None:
             return self._worker.nbytes + shared
-        return (self._ring.nbytes if self._ring is not None else 0) + shared
+        return sum(b.nbytes for b in (self._ring, self._baseline) if b is not None) + shared
 
     @property
     def conversion_bytes(self) -> int:
@@ -131,6 +134,14 @@ class WeightSync:
     def host_buffer_bytes(self) -> int:
         """Bytes of the sync's own buffers in host memory (a snapshot with ``snapshot: host``)."""
         return self._worker.host_nbytes if self._worker is not None else 0
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes of the buffers that hold the delta baseline (part of ``buffer_bytes``): async mode's
+        snapshots themselves, blocking mode's one whole-version set beside the ring; 0 without deltas."""
+        if self._worker is not None:
+            return self._worker.nbytes if self._worker.encodes_deltas else 0
+        return self._baseline.nbytes if self._baseline is not None else 0
 
     def connect(self, model: Weights, convert: Convert | None = None) -> None:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
@@ -205,7 +216,7 @@ class WeightSync:
             self._connected = False
             self.close()
             raise
-        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes)
+        self.metrics.allocated(self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes, self.baseline_bytes)
         staging = {e.url: e.staging_bytes(plan.total_bytes, m.server_ranks[e.url])  # rank 0's members
                    for m in self._members for e in m.engines if e.url in m.server_ranks}
         self.metrics.staging({u: n for u, n in staging.items() if n is not None})
@@ -375,10 +386,12 @@ class WeightSync:
         return plan, balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
 
     def _buffers(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], snapshot: str,
-                 pool: SegmentPool | None = None, layout: WeightLayout | None = None) -> tuple[Any, Any]:
+                 pool: SegmentPool | None = None, layout: WeightLayout | None = None,
+                 delta: bool = False) -> tuple[Any, Any]:
         """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
-        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)
-        of ``plan`` in ``layout`` (default: the versions')."""
+        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory;
+        with ``delta``, a whole-version set that is the delta baseline) of ``plan`` in ``layout``
+        (default: the versions')."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
         if ranks.world > 1 or (snapshot == "host" and pool is None):
@@ -390,15 +403,19 @@ class WeightSync:
             return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion),
                     lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
-                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool))
+                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool, delta and pool is None))
 
     def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int]) -> None:
         """The buffers of this rank (a ring blocking, a snapshot async) and, async, the worker."""
         self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
-        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool)
+        assert self._packer is not None
+        delta = keeps_baseline(self.config, self._packer, self.ranks.world, self._members)
+        ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool, delta=delta)
         if not self.is_async:
             self._ring = ring()
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
+            if delta:  # the baseline, beside the ring (trainer/delta.py)
+                self._baseline = self._buffers(plan, named, owners, "device", None, delta=True)[1]()
             return
         if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res, self._loads)
@@ -435,6 +452,9 @@ class WeightSync:
             buffers = ring() if snapshot is None else snap()
             out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes, "conversion": layout.scratch_bytes(plan)}
             del buffers
+        if cfg.delta == "auto" and cfg.checksum and self._packer.encodes_deltas:
+            # async mode's baseline is its snapshot; blocking mode keeps a whole version beside its ring
+            out["blocking_delta"] = {"device": out["blocking"]["device"] + plan.total_bytes, "host": out["blocking"]["host"]}
         return out
 
     def _follow(self, version: int, source: Any) -> SyncResult | None:
@@ -534,6 +554,11 @@ class WeightSync:
                 result.started = t0 = time.perf_counter()
                 self._shared.pack_all(named)
                 return self._shared.packed(), time.perf_counter() - t0
+        if self._baseline is not None and self._ahead.ahead():
+            result.started = t0 = time.perf_counter()
+            self._baseline.pack_all(named, result.version)  # encoded against the last version packed into it
+            self._ahead.encoded(self._baseline)
+            return self._baseline.packed(), time.perf_counter() - t0
         return self._ring.packing(named), 0.0
 
     # -- versions and staleness -----------------------------------------------------------------
@@ -611,7 +636,7 @@ class WeightSync:
         if self._control is not None:
             self._control.close()
             self._control = None
-        self._ring = self._shared = None
+        self._ring = self._shared = self._baseline = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
-from asyncsync.trainer.metrics import SyncMetrics, SyncResult
-from asyncsync.trainer.ranks import TrainerRanks, TrainerRankLost
+from asyncsync.ranks import TrainerRanks, TrainerRankLost
 from asyncsync.trainer.source import WeightsView
 from asyncsync.trainer.streams import Marker, StreamSet
 
@@ -113,6 +113,11 @@ class SyncWorker:
     def nbytes(self) -> int:
         """Bytes of the snapshots and their buffers on the trainer's device: async mode's memory cost."""
         return sum(s.buffers.nbytes for s in self._sets)
+
+    @property
+    def encodes_deltas(self) -> bool:
+        """The snapshots are the delta baseline: each version is encoded against the one before it."""
+        return any(getattr(s.buffers, "delta", False) for s in self._sets)
 
     @property
     def host_nbytes(self) -> int:
@@ -276,7 +281,7 @@ class SyncWorker:
         t0 = time.perf_counter()
         named = item.view.tensors()
         after = [item.ready, *target.sent]  # the step's writes, and the broadcasts that read target last
-        target.done = self.streams.copy(lambda: target.buffers.pack_all(named), after=after)
+        target.done = self.streams.copy(lambda: target.buffers.pack_all(named, item.version), after=after)
         target.version, target.taken, target.sent = item.version, 0, []
         target.started = t0
         target.snapshot_s = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from typing import Any
 
 from asyncsync.engines.base import EngineClient
 from asyncsync.protocol.lora import AdapterVersion, adapter_dir, version_name
-from asyncsync.trainer.metrics import SyncMetrics
+from asyncsync.metrics import SyncMetrics
 from asyncsync.transport.control import ControlLoop, ServerError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Any
 
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
-from asyncsync.trainer.ranks import TrainerRanks
+from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.topology import TrainerGroups, join_groups
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ An epoch is one set of data-plane groups over one set of servers (group name
 restarted trainer never reuses a name a server still holds; fresh ports after the first epoch). A new
 epoch starts whenever a server is evicted, a collective fails, or an evicted server answers again.
 Servers that are out are probed at most every ``readmit_interval_s``; one that answers rejoins and
-gets the next full version (every version is sent whole).
+gets the next version whole (``Membership.baselines``: only a server that committed the last
+version of this sync may get a delta).
 
 Every epoch first claims each server for the trainer session (``EngineClient.claim``), so two trainers
 never race for the same servers: at ``connect`` a server another live trainer owns fails the whole
@@ -34,14 +35,14 @@ from typing import Any
 from asyncsync.config import WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient, UnsupportedServer
+from asyncsync.metrics import SyncMetrics
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.ownership import OWNER_SAYS
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.wire import OWNED_STATUS, LayoutCheck
-from asyncsync.trainer.metrics import SyncMetrics
-from asyncsync.trainer.ranks import TrainerRanks
+from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.shm import SegmentPool
@@ -89,6 +90,9 @@ class Membership:
         self.shared: set[str] = set()  # members that map versions from shared memory (no data-plane group)
         self.pool: SegmentPool | None = None  # the shared-memory segments (set by WeightSync once it planned)
         self.evicted: dict[str, str] = {}
+        # The version each server committed from this sync, its next delta's baseline (transport.send):
+        # set by a successful ``end``, dropped by any failure or eviction.
+        self.baselines: dict[str, int] = {}
         # Members that refused the last version for its layout (``specs.LAYOUT_REFUSED``): they would
         # refuse every version of this plan, so no later version can reach them either.
         self.refusing: dict[str, str] = {}
@@ -291,6 +295,7 @@ class Membership:
             self.group = None
 
     def evict(self, url: str, reason: str) -> None:
+        self.baselines.pop(url, None)  # it may come back restarted: the next version it gets is whole
         if self.pool is not None:
             self.pool.evicted(url)  # it loses its lease: what it maps is retired, never rewritten
         if url not in self.evicted:

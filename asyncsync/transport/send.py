@@ -24,16 +24,16 @@ from typing import Any, Protocol
 import torch
 
 from asyncsync.engines.base import EngineClient
+from asyncsync.metrics import SyncResult
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.lora import AdapterUpdate
 from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
-from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
-from asyncsync.trainer.metrics import SyncResult
-from asyncsync.transport.control import ServerError
-from asyncsync.trainer.ranks import TrainerRankLost, TrainerRanks
+from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
+from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.adapters import AdapterLoads
+from asyncsync.transport.control import ServerError
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups
@@ -55,7 +55,11 @@ class BucketSource(Protocol):
 
     A sharded trainer's source (``trainer.shards.ShardedSource``) also names each bucket's ``owner``
     rank: only the owner asks for ``bucket`` (which receives the other ranks' pieces), every other
-    rank calls ``contribute(bucket)`` (sends its pieces to the owner) at the same point instead."""
+    rank calls ``contribute(bucket)`` (sends its pieces to the owner) at the same point instead.
+
+    A source packed over a delta baseline (``trainer.buffers.Prepacked``) also has ``delta_base``,
+    the version its buckets were encoded against (None: not encoded), and ``delta(bucket)``, the
+    bucket's ``packing.delta.Delta`` (``delta_for`` decides who gets them)."""
 
     def reuses(self, bucket: Bucket) -> int | None: ...
 
@@ -92,9 +96,12 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         ranks.from_leader(("done", result))
         return result
     engines = list(members.members)
-    deadlines = tuple(members.pace.deadline_s(b.nbytes) for b in plan.buckets)
+    delta = delta_for(members, plan, source)
+    sizes = [n or b.nbytes for n, b in zip(delta.nbytes, plan.buckets)] if delta else [b.nbytes for b in plan.buckets]
+    deadlines = tuple(members.pace.deadline_s(n) for n in sizes)
     sources = tuple(owner_of(source, b) for b in plan.buckets) if members.sources > 1 else ()
-    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines, sources)
+    request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines, sources,
+                            delta=delta)
     requests = shared_requests(members, request, plan, source, result)  # same-host servers: where the version is
     skipped = [e.url for e in engines if e.url in members.shared and e.url not in requests]
     if skipped:
@@ -149,7 +156,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         wired = {u: f for u, f in posted.items() if u not in members.shared}
         try:
             broken, crcs = _data_path(members.group, ranks, plan, source, result, deadlines, frames,
-                                      wired if ranks.world == 1 else None, background)
+                                      wired if ranks.world == 1 else None, background, delta)
             broken = _finish_data_path(members, plan, broken, crcs, deadlines, frames)
         except TrainerRankLost:
             # Another trainer rank is gone: its buckets will never come. The dropped group fails every
@@ -158,9 +165,13 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
             _collect(posted, max(deadline(e, "begin") + deadline(e, "update") + deadline(e, "abort") for e in engines))
             raise
     result.wire_s = time.perf_counter() - start - result.pack_s
+    if members.group is not None:
+        result.wire_bytes = sum(sizes)
+        result.delta_base = delta.base if delta else None
+        result.delta_buckets = sum(1 for n in delta.nbytes if n) if delta else 0
     if broken is None:
         if members.group is not None:
-            members.pace.observe(plan.total_bytes, result.wire_s)
+            members.pace.observe(result.wire_bytes, result.wire_s)
     else:
         members.drop_group(broken=True)
     t0 = time.perf_counter()
@@ -185,6 +196,11 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     ended = _collect({e.url: members.control.submit(end(e)) for e in took},
                      max((deadline(e, "end") + deadline(e, "abort") for e in took), default=0.0))
     result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
+    for e in engines:  # the baseline of each server's next delta: what it committed of this sync, and only that
+        if adapter is None and result.server_versions.get(e.url) == version:
+            members.baselines[e.url] = version
+        else:
+            members.baselines.pop(e.url, None)
     if adapter is None:
         result.switch_s = {e.url: e.last_switch_s for e in took
                            if e.url in result.server_versions and e.last_switch_s is not None}
@@ -216,6 +232,24 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     if adapter is not None:  # the trainer ranks are released: no collective waits on a load
         adapter.offer([e for e in took if e.url in result.server_versions], version, members.server_versions)
     return result
+
+
+def delta_for(members: Membership, plan: BucketPlan, source: BucketSource) -> DeltaVersion | None:
+    """The version as deltas, when every server it goes to can take them: each committed, from this
+    sync, exactly the version ``source``'s buckets were encoded against (``Membership.baselines``),
+    its receivers rebuild deltas, and it gets the data-plane broadcast (one broadcast reaches every
+    member of a group, so a group gets deltas only when all its members can take them; with
+    ``group_per_server`` each server is decided alone). None otherwise, and when every bucket goes
+    whole anyway: a new, restarted or readmitted server, one that missed or refused a version, a
+    version packed without a baseline, servers on shared memory (nothing crosses a wire)."""
+    base = getattr(source, "delta_base", None)
+    if base is None or members.group is None or members.shared or members.ranks.world > 1:
+        return None
+    if not all(e.protocol.deltas and members.baselines.get(e.url) == base for e in members.members):
+        return None
+    payloads = [source.delta(b) for b in plan.buckets]  # type: ignore[attr-defined]
+    nbytes = tuple(0 if d is None or (p := d.payload()) is None else p.numel() for d in payloads)
+    return DeltaVersion(base, nbytes) if any(nbytes) else None
 
 
 def shared_requests(members: Membership, request: UpdateRequest, plan: BucketPlan, source: BucketSource,
@@ -344,9 +378,11 @@ def _crc_ints(crcs: dict[int, Any]) -> dict[int, int]:
 def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
                result: SyncResult | None, deadlines: tuple[float, ...], frames: VersionFrames,
                posted: dict[str, concurrent.futures.Future[Any]] | None,
-               background: frozenset[str] = frozenset()) -> tuple[str | PackFailed | None, dict[int, Any]]:
+               background: frozenset[str] = frozenset(),
+               delta: DeltaVersion | None = None) -> tuple[str | PackFailed | None, dict[int, Any]]:
     """Every bucket, each with its deadline: a sharded trainer's ranks send each bucket's pieces to
-    its owner, which broadcasts it; a single process broadcasts every bucket. Returns what broke the
+    its owner, which broadcasts it; a single process broadcasts every bucket (its delta, where
+    ``delta`` says so; the checksum is still the whole bucket's). Returns what broke the
     data plane, as text (an exception kept here would hold the group's sockets through its traceback)
     or the packing failure that abandoned the version, and the checksums of the buckets this rank sent.
 
@@ -381,7 +417,9 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         t0 = time.perf_counter()
         buf = None
         try:
-            if mine:
+            if delta is not None and delta.nbytes[i]:
+                buf = source.delta(bucket).payload()  # type: ignore[attr-defined]
+            elif mine:
                 buf = source.bucket(bucket)  # a sharded trainer's owner receives the other ranks' pieces here
             else:
                 source.contribute(bucket)  # type: ignore[attr-defined]

@@ -22,13 +22,13 @@ import torch
 
 from asyncsync import WeightSync
 from asyncsync.config import WeightSyncConfig
+from asyncsync.metrics import SyncResult
 from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.packing.cuda import CudaPackBackend, LaunchTable
 from asyncsync.protocol.specs import Bucket
+from asyncsync.protocol.specs import BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
-from asyncsync.trainer.metrics import SyncResult
-from asyncsync.protocol.specs import BucketPlan
 from asyncsync.trainer.source import ShardedWeightsUnsupported, check_layout
 from asyncsync.transport.send import BucketSource
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.metrics import SyncResult
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.testing import ServerProcess, mixed_dtype_model
-from asyncsync.trainer.metrics import SyncResult
 from asyncsync.transport.send import BucketSource
 
 from conftest import TINY

@@ -214,6 +214,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.ties.reprocess(loaded)
         self.experts.reprocess()
         self.version = staged.version
+        self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
 

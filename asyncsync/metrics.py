@@ -26,6 +26,9 @@ class SyncResult:
     server_versions: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # servers that did not apply it, and why
     switch_s: dict[str, float] = field(default_factory=dict)  # how long each server held generation to switch
+    wire_bytes: int = 0      # bytes broadcast into the data-plane groups (deltas where they went out)
+    delta_base: int | None = None  # the version the buckets sent as deltas were encoded against
+    delta_buckets: int = 0   # buckets sent as deltas (the others whole)
     started: float = 0.0   # time.perf_counter() when the snapshot (async) or the pack (blocking) began
     send_started: float = 0.0
     finished: float = 0.0
@@ -58,6 +61,7 @@ class SyncMetrics:
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
         self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
         self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
+        self.baseline_bytes = 0  # of those, the buffers that hold the delta baseline
         # the most bytes converting to the engines' layout allocates at once while a version is packed
         # (trainer.layout: copies such as the gate/up split of fused experts), on the weights' device
         self.conversion_bytes = 0
@@ -70,7 +74,7 @@ class SyncMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._p_versions = Counter("asyncsync_versions", "Versions by outcome", ["outcome"], registry=r)
-        self._p_bytes = Counter("asyncsync_bytes_sent", "Bytes broadcast to the servers", registry=r)
+        self._p_bytes = Counter("asyncsync_bytes_sent", "Bytes of the versions synced, whole (asyncsync_wire_bytes: what crossed)", registry=r)
         self._p_stall = Counter("asyncsync_boundary_stall_seconds", "Time the trainer waited in wait_snapshot", registry=r)
         self._p_phase = Histogram("asyncsync_sync_phase_seconds", "Seconds per sync phase", ["phase"], registry=r)
         self._p_gbps = Gauge("asyncsync_last_sync_gbps", "Throughput of the last sync (GB/s)", registry=r)
@@ -78,6 +82,10 @@ class SyncMetrics:
         self._p_server = Gauge("asyncsync_server_version", "Version each server serves", ["server"], registry=r)
         self._p_buffers = Gauge("asyncsync_buffer_bytes", "Bytes of the sync's own buffers on the weights' device", registry=r)
         self._p_host = Gauge("asyncsync_host_buffer_bytes", "Bytes of the sync's own buffers in host memory", registry=r)
+        self._p_baseline = Gauge("asyncsync_delta_baseline_bytes", "Bytes of the sync's buffers that hold the delta baseline",
+                                 registry=r)
+        self._p_wire = Counter("asyncsync_wire_bytes", "Bytes broadcast into the data-plane groups (deltas where sent)",
+                               registry=r)
         self._p_conversion = Gauge("asyncsync_conversion_bytes", "Most bytes converting to the engines' layout "
                                    "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
@@ -101,12 +109,14 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int, host_nbytes: int = 0, conversion_bytes: int = 0) -> None:
+    def allocated(self, nbytes: int, host_nbytes: int = 0, conversion_bytes: int = 0, baseline_nbytes: int = 0) -> None:
         with self._lock:
-            self.buffer_bytes, self.host_buffer_bytes, self.conversion_bytes = nbytes, host_nbytes, conversion_bytes
+            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
+            self.conversion_bytes, self.baseline_bytes = conversion_bytes, baseline_nbytes
         self._p_buffers.set(nbytes)
         self._p_host.set(host_nbytes)
         self._p_conversion.set(conversion_bytes)
+        self._p_baseline.set(baseline_nbytes)
 
     def staging(self, per_server: dict[str, int]) -> None:
         with self._lock:
@@ -119,6 +129,7 @@ class SyncMetrics:
             self.last = result
             self.history.append(result)
         self._p_bytes.inc(result.nbytes)
+        self._p_wire.inc(result.wire_bytes)
         for phase in ("snapshot", "pack", "wire", "apply", "total"):
             self._p_phase.labels(phase).observe(getattr(result, f"{phase}_s"))
         self._p_gbps.set(result.gbps)
@@ -136,6 +147,7 @@ class SyncMetrics:
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
                 "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
                 "host_buffer_bytes": self.host_buffer_bytes, "conversion_bytes": self.conversion_bytes,
+                "baseline_bytes": self.baseline_bytes,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "events": [asdict(e) for e in self.events],
             }

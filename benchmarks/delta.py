@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -393,6 +394,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(train(regime, args.steps, Path(args.out).parent)))
         return
     tiny = ["--tiny"] if args.tiny else []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="asyncsync-delta-") as tmp:
         folder = Path(tmp)
         trained = {}
@@ -424,9 +426,9 @@ def main() -> None:
             links[label] = json.loads(out.read_text())
     results = {
         "command": "python -m benchmarks.delta " + " ".join(sys.argv[1:]),
-        "shared_machine": True,
-        "note": ("measured on this project's 2-core machine while other engineers' jobs shared its cores; ratios "
-                 "come from lanes run one after another in the same process, so they saw the same load"),
+        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},  # the machine's other work
+        "note": ("measured on this project's 2-core machine; ratios come from lanes run one after another in "
+                 "the same process, so they saw the same load"),
         "regimes": {r.name: {"model": r.model, "lr": r.lr, "sent": r.sent} for r in REGIMES if r.name in trained},
         "steps": args.steps, "bucket_bytes": BUCKET_BYTES, "off_lanes_every": OFF_EVERY, "dense_lanes_every": DENSE_EVERY,
         "max_fraction": MAX_FRACTION, "targets": TARGETS,

@@ -33,7 +33,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("ASYNCSYNC_TOKEN") or None
     logging.getLogger("asyncsync").info("serving on http://%s:%d (auth %s)", args.host, args.port, "on" if token else "off")
     lease = TRAINER_LEASE_S if args.trainer_lease_s is None else args.trainer_lease_s
-    run_server(model, args.host, args.port, token, trainer_lease_s=lease, max_version_bytes=args.max_version_bytes)
+    run_server(model, args.host, args.port, token, trainer_lease_s=lease, max_version_bytes=args.max_version_bytes,
+               layout=args.layout)
     return 0
 
 
@@ -120,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="the most bytes one announced version may make this server allocate to receive it; "
                             "larger announcements are refused before anything is allocated (default: the served "
                             "model's size, exactly what a valid version holds)")
+    serve.add_argument("--layout", choices=["checkpoint", "trainer"], default="checkpoint",
+                       help="the layout versions arrive in: checkpoint (what every engine loads: transformers' "
+                            "checkpoint names, a MoE's experts one by one) or trainer (the model's own in-memory "
+                            "names and layouts, for a trainer with layout: trainer; nothing is converted)")
     serve.set_defaults(fn=cmd_serve)
 
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",

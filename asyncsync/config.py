@@ -12,14 +12,13 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 import yaml
 
 from asyncsync.packing import backend_names
-from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES
+from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES, LAYOUTS
 from asyncsync.protocol.wire import MAX_DEADLINE_S, RECEIVE_MODES
 from asyncsync.registry import ENGINES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
 DELTA_MODES = ("auto", "off")
-LAYOUTS = ("checkpoint", "trainer")
 LORA_MODES = ("merged", "adapter")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,55}$")
 T = TypeVar("T")
@@ -160,6 +159,8 @@ class WeightSyncConfig:
     lora_name: str = "policy"
 
     def __post_init__(self) -> None:
+        if self.delta is False:  # YAML 1.1 (PyYAML) reads a bare `delta: off` as false
+            object.__setattr__(self, "delta", "off")
         if self.delta not in DELTA_MODES:
             raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
                               "the last version gets what changed since, off: every version whole)")

@@ -67,3 +67,10 @@ def test_weight_sync_needs_servers():
     with pytest.raises(ValueError, match="servers is empty"):
         WeightSync(WeightSyncConfig())
 
+
+
+def test_a_bare_off_in_yaml_is_the_off_mode(tmp_path):
+    """PyYAML reads ``delta: off`` as false (YAML 1.1): it still means ``off``."""
+    path = tmp_path / "sync.yaml"
+    path.write_text("servers: [{url: 'http://127.0.0.1:1'}]\ndelta: off\n")
+    assert WeightSyncConfig.from_yaml(path).delta == "off"

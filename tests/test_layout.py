@@ -220,3 +220,38 @@ def test_the_reference_server_loads_the_checkpoint_layout_as_transformers_does(t
     memory = to_memory(model, checkpoint)
     assert_same(memory, {n: t for n, t in model.state_dict().items()})
     assert CheckpointStage(model)(memory).keys() == checkpoint.keys()
+
+
+def test_a_reference_server_started_for_the_trainer_layout_takes_it_without_conversion():
+    """``asyncsync serve --layout trainer`` (what the GRPO demo starts for ``layout: trainer``): a
+    transformers-5 MoE's fused experts arrive as the trainer holds them and are swapped in as they
+    are (no conversion group), bit-exact; a trainer sending the checkpoint layout to it is refused
+    at connect, and a server expecting the checkpoint layout refuses the trainer's."""
+    from asyncsync import WeightSync
+    from asyncsync.config import ConfigError
+    from asyncsync.models import ModelConfig, build_model
+    from asyncsync.receivers.reference.app import ReferenceServer
+
+    from helpers import ThreadedServer, digest, weights
+
+    cfg = ModelConfig(family="qwen2_moe", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=2, num_kv_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    trainer = build_model(cfg)
+    assert any(n.endswith("experts.gate_up_proj") for n in trainer.state_dict()), "fused in memory"
+    sync_cfg = {"bucket_bytes": "64KiB", "transport": "collective"}
+    server = ReferenceServer(build_model(cfg), layout="trainer")
+    assert all(g.renamed for g in server.receiver.groups), "nothing is converted"
+    with ThreadedServer(server) as served:
+        with WeightSync.from_config({**sync_cfg, "servers": [{"url": served.url}], "layout": "trainer"}) as sync:
+            sync.connect(trainer)
+            want = weights(trainer, seed=3)
+            assert sync.publish(trainer, 1).server_versions == {served.url: 1}
+        assert server.receiver.version == 1
+        assert digest(server.model) == digest(want)
+        with WeightSync.from_config({**sync_cfg, "servers": [{"url": served.url}]}) as sync:
+            with pytest.raises(ConfigError, match="would refuse every version"):
+                sync.connect(trainer)
+    with ThreadedServer(ReferenceServer(build_model(cfg))) as served:
+        with WeightSync.from_config({**sync_cfg, "servers": [{"url": served.url}], "layout": "trainer"}) as sync:
+            with pytest.raises(ConfigError, match="experts.gate_up_proj"):
+                sync.connect(trainer)

@@ -107,7 +107,8 @@ def servers_for(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
         with vllm_servers(cfg) as servers:
             yield servers
         return
-    with running([ServerProcess(build_model, (cfg.policy,)) for _ in range(cfg.num_servers)]) as procs:
+    layout = cfg.weight_sync.layout  # the servers take the layout the trainer sends
+    with running([ServerProcess(build_model, (cfg.policy,), layout=layout) for _ in range(cfg.num_servers)]) as procs:
         log.info("started %d embedded reference server(s): %s (pids %s)", len(procs),
                  " ".join(p.url for p in procs), " ".join(str(p.process.pid) for p in procs))
         yield tuple(ServerConfig(url=p.url) for p in procs)

@@ -209,6 +209,9 @@ class BucketPlan:
 # Every refusal of a version for its layout (names, dtypes, shapes) says this: the same plan would be
 # refused again at every version, so the trainer reports it as an error rather than a transient refusal.
 LAYOUT_REFUSED = "the tensors sent differ from the ones this server loads"
+# The layouts a version's tensors may be in: checkpoint (what a checkpoint stores and engines load)
+# or trainer (the module's own in-memory names and layouts).
+LAYOUTS = ("checkpoint", "trainer")
 
 
 def layout_mismatch(loads: Mapping[str, TensorSpec], sent: Iterable[TensorSpec], shown: int = 3,

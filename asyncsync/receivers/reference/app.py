@@ -127,7 +127,7 @@ class ReferenceServer:
 
     def __init__(self, model: torch.nn.Module, token: str | None = None, faults: Faults = Faults(),
                  sglang_sessions: bool = True, trainer_lease_s: float = TRAINER_LEASE_S,
-                 max_version_bytes: int | None = None):
+                 max_version_bytes: int | None = None, layout: str = "checkpoint"):
         self.model = model
         self.token = token
         self.faults = faults
@@ -137,7 +137,8 @@ class ReferenceServer:
         # A newer /init_group or a /release gives up a rendezvous still in progress (a silent peer).
         self.joins = Abandoner()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock,
-                                       model=model, max_version_bytes=max_version_bytes, abandoner=self.joins)
+                                       model=model, max_version_bytes=max_version_bytes, abandoner=self.joins,
+                                       layout=layout)
         self.adapters = ServedAdapters(model, self.receiver, self.serve_lock)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
         # at a lower CPU priority than generation (and so do the threads of the groups it creates).
@@ -428,7 +429,9 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults(),
-               trainer_lease_s: float = TRAINER_LEASE_S, max_version_bytes: int | None = None) -> None:
+               trainer_lease_s: float = TRAINER_LEASE_S, max_version_bytes: int | None = None,
+               layout: str = "checkpoint") -> None:
     """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
-    app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s, max_version_bytes=max_version_bytes).app()
+    app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s, max_version_bytes=max_version_bytes,
+                          layout=layout).app()
     web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

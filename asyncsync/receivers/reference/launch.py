@@ -21,14 +21,14 @@ ModelFactory = Callable[..., torch.nn.Module]
 
 
 def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None,
-           faults: Faults) -> None:
+           faults: Faults, layout: str) -> None:
     import logging
 
     from asyncsync.receivers.reference.app import run_server
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    run_server(factory(*factory_args), host, port, token, faults)
+    run_server(factory(*factory_args), host, port, token, faults, layout=layout)
 
 
 class ServerProcess:
@@ -40,12 +40,12 @@ class ServerProcess:
 
     def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
                  token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 faults: Faults = Faults(), port: int | None = None):
+                 faults: Faults = Faults(), port: int | None = None, layout: str = "checkpoint"):
         self.host, self.port, self.token = host, port or free_port(host), token
         self.url = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
         self.process = mp.get_context("spawn").Process(
-            target=_serve, args=(factory, factory_args, host, self.port, token, faults), daemon=True
+            target=_serve, args=(factory, factory_args, host, self.port, token, faults, layout), daemon=True
         )
 
     def start(self) -> ServerProcess:

@@ -13,6 +13,7 @@ import torch
 from asyncsync.checkpoint import CheckpointStage, Conversion, is_transformers_model, meta_tensors, to_memory
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.group import Abandoner, DataPlaneGroup
+from asyncsync.protocol.specs import LAYOUTS
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
@@ -36,13 +37,17 @@ class WeightReceiver:
 
     Versions carry the checkpoint layout, as for every engine (``asyncsync.checkpoint``); tensors the
     model holds in another layout (a transformers-5 MoE's fused experts) are built from their
-    checkpoint tensors at ``commit`` by transformers' own load conversion: a copy of those groups,
-    the only bytes that are not swapped in from the buffers themselves.
+    checkpoint tensors at ``commit`` by transformers' own load conversion, before generation is
+    held: a copy of those groups, the only bytes that are not swapped in from the buffers themselves.
+    With ``layout="trainer"`` versions carry the model's own in-memory names and layouts instead (a
+    trainer of the same transformers class with ``layout: trainer``): nothing is converted.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0,
                  model: torch.nn.Module | None = None, max_version_bytes: int | None = None,
-                 abandoner: Abandoner | None = None):
+                 abandoner: Abandoner | None = None, layout: str = "checkpoint"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {list(LAYOUTS)}")
         self._live = dict(weights)
         self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
@@ -51,7 +56,8 @@ class WeightReceiver:
         # Versions arrive in the checkpoint layout every engine loads (``asyncsync.checkpoint``): for a
         # transformers model, which of its tensors each checkpoint tensor comes from.
         self.model = model
-        stages = [CheckpointStage(model)] if model is not None and is_transformers_model(model) else []
+        converts = layout == "checkpoint" and model is not None and is_transformers_model(model)
+        stages = [CheckpointStage(model)] if converts else []
         self.groups = Conversion(stages).plan(meta_tensors(self._live))
         specs = {t.name: t for g in self.groups for t in g.targets}
         self.stager = BucketStager(specs, "/init_group", self.runtime, max_version_bytes=max_version_bytes,
@@ -103,16 +109,19 @@ class WeightReceiver:
             have = staged.version if staged else None
             raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
         views = dict(staged.tensors())
-        with self.serve_lock, torch.no_grad():
-            start = time.perf_counter()
+        made: dict[str, torch.Tensor] = {}
+        with torch.no_grad():  # converted groups are built while generation goes on (copies: no aliasing)
             for group in self.groups:
-                if group.renamed:  # the live tensor now aliases its bytes in the buffer
-                    self._live[group.sources[0]].set_(views[group.targets[0].name])
+                if group.renamed:  # the live tensor will alias its bytes in the buffer
+                    made[group.sources[0]] = views[group.targets[0].name]
                     continue
                 assert self.model is not None
-                made = to_memory(self.model, {n: views[n] for n in group.target_names})  # transformers' load
-                for name in group.sources:
-                    self._live[name].set_(made[name])
+                built = to_memory(self.model, {n: views[n] for n in group.target_names})  # transformers' load
+                made.update((name, built[name]) for name in group.sources)
+        with self.serve_lock, torch.no_grad():
+            start = time.perf_counter()
+            for name, tensor in made.items():
+                self._live[name].set_(tensor)
             self.version = version
             self.applied.append(version)
             self.stager.mark_live(staged)

@@ -27,6 +27,7 @@ PEFT model computes it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ import torch
 from asyncsync.protocol.lora import (
     ADAPTER_REFUSED, CONFIG_FILE, WEIGHTS_FILE, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name,
 )
+from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import StagedVersion, VersionRejected
 from asyncsync.protocol.wire import WireError, sane_text, shown
 from asyncsync.receivers.adapters import AdapterFiles
@@ -109,6 +111,7 @@ class ServedAdapters:
         if name in self.loaded:
             raise WireError(f"the lora adapter '{name}' has already been loaded: load each version under a new name")
         path = self._directory(path)
+        self._verify(path, name)
         with self.serve_lock, torch.no_grad():
             try:
                 if self.peft is None:
@@ -138,6 +141,22 @@ class ServedAdapters:
             raise WireError(f"lora_path {shown(path)}: no adapter was written there ({CONFIG_FILE} and "
                             f"{WEIGHTS_FILE}): send it with /update_adapter and /end_adapter first")
         return real
+
+    def _verify(self, path: str, name: str) -> None:
+        """Check the directory's config and tensors as ``/check_adapter`` checks an adapter
+        (``VersionRejected`` if they do not fit the served model), before PEFT injects its layers
+        into the model: a load PEFT would fail half-way never leaves the model changed."""
+        from safetensors.torch import load_file
+
+        try:
+            with open(os.path.join(path, CONFIG_FILE)) as f:
+                config = json.load(f)
+            specs = tuple(TensorSpec.of(n, t) for n, t in load_file(os.path.join(path, WEIGHTS_FILE)).items())
+            self.check(AdapterCheck(name, config, specs))
+        except VersionRejected:
+            raise
+        except Exception as e:  # unreadable JSON or safetensors (their libraries raise their own kinds), a bad config
+            raise VersionRejected(f"{path} is no adapter this server can load: {type(e).__name__}: {e}") from None
 
     def unload(self, name: str) -> None:
         if name not in self.loaded:

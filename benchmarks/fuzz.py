@@ -3,12 +3,14 @@
     python -m benchmarks.fuzz [--requests 20000] [--seed 0]     -> results/fuzz.json, fuzz.png
 
 One reference server (a child process with a bearer token) gets ``requests`` generated requests
-across its 25 routes, up to 200 in flight at a time, each of one kind (``KINDS``): bad credentials
+across every route it serves (``ROUTES``; ``served_routes`` reads them from its app), up to 200 in flight at a time, each of one kind (``KINDS``): bad credentials
 (non-UTF-8 bytes too), JSON that does not parse, nests 10,000 deep or names an unknown charset,
 valid bodies with one field replaced by something hostile, absurd numbers (NaN, Infinity, 1e300,
 2**64), ``/generate`` knobs past the model, lying announcements (shared-memory versions that do not
 match their segment), calls from another trainer session, unknown routes and methods, malformed
-HTTP, rendezvous peers that accept and never answer, slow, truncated and oversized bodies. Then a
+HTTP, rendezvous peers that accept and never answer, slow, truncated and oversized bodies, LoRA
+adapter paths outside the server's adapter root (``..``, links, a model hub id) and adapter configs
+whose ``rank_pattern`` is a regular expression that does not compile or backtracks. Then a
 rogue trainer on the data plane (``DATA_PLANE_LIES``): a bucket longer than announced, frames of
 another plan, a version naming tensors the model lacks or a petabyte, a trainer that goes silent or
 stops half-way, a wrong checksum, a stale version. Throughout, a prober checks that ``/health``
@@ -47,12 +49,16 @@ from asyncsync.models import ModelConfig, generate
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, plan_hash
 from asyncsync.protocol.group import free_port
-from asyncsync.protocol.sglang import UpdateWeightsFromDistributed
+from asyncsync.protocol.lora import (
+    LORA_ROOT, PEFT_PREFIX, AdapterCheck, AdapterUpdate, AdapterVersion, BaseCheck, tensor_crc,
+)
+from asyncsync.protocol.sglang import LoadLoraAdapter, UnloadLoraAdapter, UpdateWeightsFromDistributed
 from asyncsync.protocol.shm import ALIGN, SHM_DIR, HostIdentity, aligned_offsets
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import (
     MAX_ERROR_CHARS, SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, LayoutCheck, SharedVersion, UpdateRequest,
 )
+from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.testing import RogueTrainer, ServerProcess, http_call, mixed_dtype_model
 
@@ -68,21 +74,23 @@ ANSWER_TIMEOUT_S = 60.0
 # failed or missed a deadline, or a call that could not start behind a stalled one).
 DATA_PLANE_ROUTES = frozenset({"/init_group", "/update", "/end", "/init_weights_update_group",
                                "/destroy_weights_update_group", "/update_weights_from_distributed",
-                               "/begin_weight_update", "/end_weight_update"})
+                               "/begin_weight_update", "/end_weight_update", "/update_adapter", "/end_adapter"})
 GET_ROUTES = ("/health", "/version", "/world_size", "/host", "/weights/digest", "/weights/names", "/model_info",
-              "/get_model_info", "/server_info", "/get_server_info", "/ready")
+              "/get_model_info", "/server_info", "/get_server_info", "/ready", "/v1/models")
 POST_ROUTES = ("/generate", "/claim", "/release", "/check_layout", "/init_group", "/begin", "/update", "/end",
                "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
-               "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation")
-ROUTES = GET_ROUTES + POST_ROUTES
+               "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation",
+               "/check_adapter", "/check_base", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter",
+               "/v1/unload_lora_adapter", "/load_lora_adapter", "/unload_lora_adapter")
+ROUTES = GET_ROUTES + POST_ROUTES  # every route of a reference server (tests/faults/test_route_fuzz.py holds it to served_routes)
 # A kind's share of the generated requests (oversized bodies are a fixed few: each is 50-64 MB).
 KINDS = {"auth": 2, "json_syntax": 3, "mutated_body": 8, "absurd_numbers": 3, "generate_knobs": 2,
          "lying_announcement": 2, "wrong_session": 1, "unknown_route": 1, "malformed_http": 1, "silent_peer": 0.5,
-         "slow_body": 0.3, "read_only": 2}
+         "slow_body": 0.3, "read_only": 2, "adapter_lies": 1.5}
 HOSTILE: list[Any] = [
     float("nan"), float("inf"), -float("inf"), 1e300, -1e300, 1e-300, 2**63, 2**64, -(2**63) - 1, 10**40, -1, 0, 1,
     0.5, "", " ", "\ud800", "a\x00b", "x" * 5000, "float33", [], {}, [[[[[[[[]]]]]]]], [-1], [2**62, 2**62], True,
-    False, None, {"a": "x" * 5000}, ["x" * 5000], "1", "1e9",
+    False, None, {"a": "x" * 5000}, ["x" * 5000], "1", "1e9", "../../../../etc", "/", "org/model", "a\n",
 ]
 ABSURD = [float("nan"), float("inf"), -float("inf"), 1e300, -1e300, 1e-300, 2**64, 2**63, -(2**63) - 1, 10**40, -1]
 
@@ -199,6 +207,32 @@ class Context:
             "/begin_weight_update": {}, "/end_weight_update": {}, "/pause_generation": {"mode": "abort"},
             "/continue_generation": {},
         }
+        self.templates |= self._adapter_templates()
+
+    def _adapter_templates(self) -> dict[str, Any]:
+        """The LoRA routes' bodies: a rank-2 adapter of one linear weight of the served model, sent as
+        version 9 into slot ``fuzz-slot`` (no group: the receive is refused) and loaded from its path."""
+        weight = next(n for n, t in self.named.items() if t.dim() == 2 and n.endswith("proj.weight"))
+        module = weight.removesuffix(".weight")
+        out, inp = self.named[weight].shape
+        config = {"r": 2, "lora_alpha": 4, "peft_type": "LORA", "target_modules": [module.rsplit(".", 1)[-1]],
+                  "rank_pattern": {module.rsplit(".", 1)[-1]: 2}, "alpha_pattern": {}}
+        lora = {f"{PEFT_PREFIX}{module}.lora_A.weight": torch.zeros(2, inp),
+                f"{PEFT_PREFIX}{module}.lora_B.weight": torch.zeros(out, 2)}
+        plan = BucketPlan.from_tensors(lora.items(), 16 * 1024)
+        metas = tuple(BucketMeta.of(b) for b in plan.buckets)
+        adapter = AdapterVersion("fz", "fuzz-slot", config, (8,))
+        path = adapter.path(9)
+        return {
+            "/check_adapter": AdapterCheck("fz", config, plan.specs, 2).to_json(),
+            "/check_base": BaseCheck(tuple((n, tensor_crc(t)) for n, t in self.named.items())).to_json(),
+            "/update_adapter": AdapterUpdate(UpdateRequest(9, metas, True, (0.5,) * len(metas)), adapter).to_json(),
+            "/end_adapter": {"version": 9},
+            "/v1/load_lora_adapter": {"lora_name": "fz-v9", "lora_path": path},
+            "/v1/unload_lora_adapter": {"lora_name": "fz-v9"},
+            "/load_lora_adapter": LoadLoraAdapter("fz-v9", path).to_json(),
+            "/unload_lora_adapter": UnloadLoraAdapter("fz-v9").to_json(),
+        }
 
 
 def dumps(value: Any) -> bytes:
@@ -301,7 +335,8 @@ def generate_probe(kind: str, rng: random.Random, ctx: Context) -> Probe:
         return Probe(kind, "POST", "/update", dumps({**update, **lie}))
     if kind == "wrong_session":
         route = rng.choice(["/init_group", "/update", "/end", "/begin", "/claim", "/update_weights_from_distributed",
-                            "/pause_generation", "/release"])
+                            "/pause_generation", "/release", "/update_adapter", "/v1/load_lora_adapter",
+                            "/unload_lora_adapter"])
         body = {"session": INTRUDER} if route == "/claim" else ctx.templates[route]
         return Probe(kind, "POST", route, dumps(body), session=INTRUDER)
     if kind == "unknown_route":
@@ -330,7 +365,32 @@ def generate_probe(kind: str, rng: random.Random, ctx: Context) -> Probe:
         route = rng.choice(GET_ROUTES)
         query = rng.choice(["", "?x=" + "y" * 100, "?version=NaN", "?%ff"])
         return Probe(kind, "GET", route + query, dumps(random_json(rng)) if rng.random() < 0.3 else b"")
+    if kind == "adapter_lies":
+        return adapter_lie(rng, ctx)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def adapter_lie(rng: random.Random, ctx: Context) -> Probe:
+    """A LoRA route given a path out of the adapter root or an adapter config no engine should act on."""
+    if rng.random() < 0.5:
+        good = ctx.templates["/v1/load_lora_adapter"]["lora_path"]
+        path = rng.choice([
+            "/etc", "/", ".", LORA_ROOT, os.path.dirname(good), good + "/../../../..", good + "/../fz-v8",
+            os.path.join(LORA_ROOT, "..", "..", "etc"), "gpt2", "some-org/some-model", "hf://org/model",
+            "\\\\host\\share", good + "\x00", good + "\n", "x" * 5000, os.path.join(LORA_ROOT, "fuzz-slot", "fz-v9"),
+        ])
+        route = rng.choice(["/v1/load_lora_adapter", "/load_lora_adapter"])
+        return Probe("adapter_lies", "POST", route, dumps({**ctx.templates[route], "lora_path": path}))
+    route = rng.choice(["/check_adapter", "/update_adapter"])
+    template = json.loads(json.dumps(ctx.templates[route]))
+    config = template["adapter_check" if route == "/check_adapter" else "adapter"]["config"]
+    config |= rng.choice([
+        {"rank_pattern": {"(": 2}}, {"rank_pattern": {"(a|a)*(a|a)*(a|a)*(a|a)*$x": 2}}, {"rank_pattern": {".*.*.*.*.*=": 2}},
+        {"rank_pattern": {"q_proj": "8"}}, {"rank_pattern": {"q_proj": 2**70}}, {"rank_pattern": [1, 2]},
+        {"rank_pattern": {"q_proj\n": 2}}, {"alpha_pattern": {"q_proj": float("nan")}}, {"r": 2**70}, {"r": 0},
+        {"peft_type": "IA3"}, {"nested": json.loads("[" * 900 + "]" * 900)}, {"pad": "x" * 70_000},
+    ])
+    return Probe("adapter_lies", "POST", route, dumps(template))
 
 
 def oversized(ctx: Context) -> list[Probe]:
@@ -536,6 +596,17 @@ def campaign(requests: int = 3000, seed: int = 0, concurrency: int = CONCURRENCY
     problems += _judge(results)
     results["problems"] = problems
     return results
+
+
+def served_routes() -> set[tuple[str, str]]:
+    """Every (method, path) a reference server serves, as its aiohttp app routes them (the HEAD that
+    aiohttp adds beside each GET aside): what the campaign must cover."""
+    server = ReferenceServer(mixed_dtype_model(MODEL), token=TOKEN)
+    try:
+        return {(r.method, r.resource.canonical) for r in server.app().router.routes()
+                if r.method != "HEAD" and r.resource is not None}
+    finally:
+        server.close()
 
 
 def _warm_up(url: str, port: int) -> None:

@@ -44,13 +44,15 @@ CONFIG_FILE = "adapter_config.json"   # PEFT's file names (peft.utils.constants)
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."     # every tensor name PEFT saves from a PeftModel starts with it
 MAX_CONFIG_CHARS = 64 * 1024
+MAX_RANK = 1 << 16  # past any LoRA rank in use; bounds the shapes a check computes
+_MODULE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")  # a rank_pattern key: a module name, never a regex operator
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # one path component, never "." or ".."
 _VERSIONED = re.compile(r"^(?P<name>.+)-v(?P<version>\d+)$")
 
 
 def check_name(value: Any, where: str) -> str:
     """A name that is safe as one path component and in a URL (letters, digits, ``._-``, at most 64)."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise WireError(f"{where}: expected 1-64 letters, digits, '.', '_' or '-' (starting with a letter or digit), "
                         f"got {shown(value)}")
     return value
@@ -76,14 +78,36 @@ def _config(value: Any, where: str) -> dict[str, Any]:
     """A PEFT LoRA ``adapter_config.json`` object: JSON, bounded, with a positive integer rank ``r``."""
     if not isinstance(value, dict):
         raise WireError(f"{where}: expected a JSON object (adapter_config.json), got {type(value).__name__}")
-    if len(json.dumps(value)) > MAX_CONFIG_CHARS:
+    try:
+        chars = len(json.dumps(value))
+    except (RecursionError, ValueError):
+        raise WireError(f"{where}: nested too deep for adapter_config.json") from None
+    if chars > MAX_CONFIG_CHARS:
         raise WireError(f"{where}: longer than {MAX_CONFIG_CHARS} characters")
     r = value.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise WireError(f"{where}.r: expected the adapter's rank, a positive integer, got {r!r}")
+    if not isinstance(r, int) or isinstance(r, bool) or not 0 < r <= MAX_RANK:
+        raise WireError(f"{where}.r: expected the adapter's rank, an integer in [1, {MAX_RANK}], got {shown(r)}")
     if value.get("peft_type", "LORA") != "LORA":
-        raise WireError(f"{where}.peft_type: only LORA adapters are served, got {value.get('peft_type')!r}")
+        raise WireError(f"{where}.peft_type: only LORA adapters are served, got {shown(value.get('peft_type'))}")
+    _pattern(value.get("rank_pattern"), f"{where}.rank_pattern", int)
+    _pattern(value.get("alpha_pattern"), f"{where}.alpha_pattern", (int, float))
     return value
+
+
+def _pattern(value: Any, where: str, kind: type | tuple[type, ...]) -> None:
+    """PEFT's ``rank_pattern``/``alpha_pattern``: module names (or dot-separated suffixes) to positive
+    numbers. A key is matched as PEFT matches it, as a regular expression (``rank_of``): only names
+    are taken (letters, digits, ``._-``), so a key can neither fail to compile nor backtrack without end."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise WireError(f"{where}: expected an object of module name -> number, got {type(value).__name__}")
+    for key, number in value.items():
+        if not _MODULE.fullmatch(key):
+            raise WireError(f"{where}: expected module names (letters, digits, '.', '_', '-'; at most 256), "
+                            f"got {shown(key)}")
+        if not isinstance(number, kind) or isinstance(number, bool) or not 0 < number <= MAX_RANK:
+            raise WireError(f"{where}[{shown(key)}]: expected a number in (0, {MAX_RANK}], got {shown(number)}")
 
 
 def _specs(entries: Any, where: str) -> tuple[TensorSpec, ...]:

@@ -221,17 +221,18 @@ def test_a_new_join_or_a_release_abandons_a_stalled_join_at_once(silent_peer, th
         assert status == {"init_group": 503, "init_weights_update_group": 400, "release": 200}[then], body
 
 
-def test_a_call_queued_behind_a_stalled_one_is_answered_503_by_its_queue_bound(silent_peer, monkeypatch):
-    """A join stalled with a long deadline (60 s) holds the one data-plane thread; ``/end`` behind it
-    waits at most ``WEIGHT_QUEUE_S`` to start, then is answered 503 naming the stalled call, and
-    never runs later."""
+@pytest.mark.parametrize("route", ["/end", "/end_adapter"])
+def test_a_call_queued_behind_a_stalled_one_is_answered_503_by_its_queue_bound(silent_peer, monkeypatch, route):
+    """A join stalled with a long deadline (60 s) holds the one data-plane thread; ``/end`` (or the
+    adapter's ``/end_adapter``, which once waited for the thread without a bound) behind it waits at
+    most ``WEIGHT_QUEUE_S`` to start, then is answered 503 naming the stalled call, and never runs later."""
     monkeypatch.setattr(app_module, "WEIGHT_QUEUE_S", 1.0)
     port, _ = silent_peer
     with ThreadedServer(ReferenceServer(build_model(TINY))) as server, ThreadPoolExecutor(2) as pool:
         stalled = pool.submit(call, server.url, "POST", "/init_group", init_group_body(port, 60.0))
         time.sleep(0.5)
         start = time.monotonic()
-        status, body = call(server.url, "POST", "/end", {"version": 1})
+        status, body = call(server.url, "POST", route, {"version": 1})
         assert status == 503 and "busy with join" in body["error"], body
         assert 1.0 <= time.monotonic() - start < 3.0
         assert call(server.url, "POST", "/init_group", init_group_body(port, 0.5))[0] == 503  # abandons the stalled one

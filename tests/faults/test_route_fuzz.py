@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fuzz import ROUTES, campaign
+from benchmarks.fuzz import GET_ROUTES, POST_ROUTES, ROUTES, campaign, served_routes
+
+
+def test_the_fuzz_covers_exactly_the_routes_the_server_serves():
+    """A route added to the reference server (its app's router) without a template here fails."""
+    fuzzed = {("GET", r) for r in GET_ROUTES} | {("POST", r) for r in POST_ROUTES}
+    served = served_routes()
+    assert len(fuzzed) == len(ROUTES), "a route listed twice"
+    assert fuzzed == served, {"not fuzzed": sorted(served - fuzzed), "not served": sorted(fuzzed - served)}
 
 
 @pytest.mark.timeout(900)
@@ -16,7 +24,7 @@ def test_bad_requests_get_4xx_and_leave_the_server_serving_unchanged_and_leaking
     results = campaign(requests, seed=request.config.getoption("--fuzz-seed"))
     assert results["problems"] == [], results["problems"]
     # The checks themselves (benchmarks.fuzz._judge) said nothing: what they saw, in case they went blind.
-    assert results["requests"] >= requests and len(ROUTES) == results["routes"] == 26
+    assert results["requests"] >= requests and results["routes"] == len(served_routes()) == 35
     assert sum(n for status, n in results["status"].items() if status.startswith("4")) > requests // 2
     assert results["server_errors"]["undocumented_5xx"] == 0 and not results["crashed"]
     assert results["health"]["probes"] > 0 and results["tokens_unchanged"] and results["weights_unchanged"]

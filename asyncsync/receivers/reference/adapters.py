@@ -9,7 +9,11 @@ engine's adapters the same way)::
                                  verified (names, shapes and ranks against the base it serves)
     POST /end_adapter            {"version": v} -> {"path": p}: the verified adapter written as a PEFT
                                  directory in this host's tmpfs (``receivers/adapters.py``)
-    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: PEFT loads the directory as that adapter
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: PEFT loads the directory as that adapter;
+                                 only a directory /end_adapter wrote (under ``LORA_ROOT``, holding
+                                 the two PEFT files) is taken: any other path is refused (400)
+                                 before PEFT sees it, so a request can neither read the host's
+                                 files elsewhere nor make PEFT fetch a model hub id
     POST /v1/unload_lora_adapter {"lora_name"}; 404 for a name not loaded
     GET  /v1/models              {"data": [{"id": base}, {"id": adapter, "root": path, "parent": base}, ...]}
 
@@ -23,19 +27,25 @@ PEFT model computes it.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from asyncsync.protocol.lora import ADAPTER_REFUSED, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name
+from asyncsync.protocol.lora import (
+    ADAPTER_REFUSED, CONFIG_FILE, WEIGHTS_FILE, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name,
+)
+from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.staging import StagedVersion, VersionRejected
-from asyncsync.protocol.wire import WireError
+from asyncsync.protocol.wire import WireError, sane_text, shown
 from asyncsync.receivers.adapters import AdapterFiles
 from asyncsync.receivers.reference.receiver import WeightReceiver
 
 BASE_MODEL = "base"  # the base model's id in /v1/models
+MAX_PATH_CHARS = 4096  # PATH_MAX
 
 
 class AdapterNotFound(LookupError):
@@ -94,19 +104,59 @@ class ServedAdapters:
         return path
 
     def load(self, name: str, path: str) -> None:
-        """Load ``path`` (a PEFT directory) as adapter ``name``; the model runs no request meanwhile."""
+        """Load ``path`` (a PEFT directory written under this server's adapter root) as adapter
+        ``name``; the model runs no request meanwhile. ``WireError`` for any other path,
+        ``VersionRejected`` for a directory PEFT cannot load."""
         check_name(name, "lora_name")
         if name in self.loaded:
             raise WireError(f"the lora adapter '{name}' has already been loaded: load each version under a new name")
+        path = self._directory(path)
+        self._verify(path, name)
         with self.serve_lock, torch.no_grad():
-            if self.peft is None:
-                from peft import PeftModel
+            try:
+                if self.peft is None:
+                    from peft import PeftModel
 
-                self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
-            else:
-                self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+                    self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                else:
+                    self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            except Exception as e:  # PEFT and safetensors raise many kinds for a damaged directory
+                raise VersionRejected(f"PEFT could not load {path} as '{name}': {type(e).__name__}: {e}") from e
             self.peft.eval()
             self.loaded[name] = path
+
+    def _directory(self, path: Any) -> str:
+        """``path`` resolved, when it is an adapter directory under this server's root (``LORA_ROOT``)
+        holding PEFT's two files; else ``WireError``. Links and ``..`` are resolved first, so
+        neither leads out of the root."""
+        root = os.path.realpath(self.files.root)
+        if not sane_text(path, MAX_PATH_CHARS):
+            raise WireError(f"lora_path: expected a printable path of at most {MAX_PATH_CHARS} characters, "
+                            f"got {shown(path)}")
+        real = os.path.realpath(path)
+        if os.path.dirname(os.path.dirname(real)) != root:
+            raise WireError(f"lora_path {shown(path)}: this server loads only the adapter directories it wrote, "
+                            f"{root}/<slot>/<name>-v<N> (the path /end_adapter answers)")
+        if not all(os.path.isfile(os.path.join(real, f)) for f in (CONFIG_FILE, WEIGHTS_FILE)):
+            raise WireError(f"lora_path {shown(path)}: no adapter was written there ({CONFIG_FILE} and "
+                            f"{WEIGHTS_FILE}): send it with /update_adapter and /end_adapter first")
+        return real
+
+    def _verify(self, path: str, name: str) -> None:
+        """Check the directory's config and tensors as ``/check_adapter`` checks an adapter
+        (``VersionRejected`` if they do not fit the served model), before PEFT injects its layers
+        into the model: a load PEFT would fail half-way never leaves the model changed."""
+        from safetensors.torch import load_file
+
+        try:
+            with open(os.path.join(path, CONFIG_FILE)) as f:
+                config = json.load(f)
+            specs = tuple(TensorSpec.of(n, t) for n, t in load_file(os.path.join(path, WEIGHTS_FILE)).items())
+            self.check(AdapterCheck(name, config, specs))
+        except VersionRejected:
+            raise
+        except Exception as e:  # unreadable JSON or safetensors (their libraries raise their own kinds), a bad config
+            raise VersionRejected(f"{path} is no adapter this server can load: {type(e).__name__}: {e}") from None
 
     def unload(self, name: str) -> None:
         if name not in self.loaded:

@@ -184,6 +184,11 @@ class ReferenceServer:
 
     async def _close(self, app: web.Application) -> None:
         app[SWEEPER].cancel()
+        self.close()
+
+    def close(self) -> None:
+        """Leave every group, remove the adapter directories written here, stop the worker threads
+        (also for a server whose app never ran: ``benchmarks/fuzz.py`` reads its routes)."""
         self.sglang.close()
         self.adapters.close()
         self.receiver.close()
@@ -363,12 +368,12 @@ class ReferenceServer:
 
     async def update_adapter(self, request: web.Request) -> web.Response:
         update = AdapterUpdate.from_json(await _json(request))
-        await self._run(self._comm, self.adapters.receive, update)
+        await self._data_plane(self.adapters.receive, update)
         return web.json_response({"ok": True, "version": update.update.version})
 
     async def end_adapter(self, request: web.Request) -> web.Response:
         req = VersionRequest.from_json(await _json(request), "end_adapter")
-        return web.json_response({"path": await self._run(self._comm, self.adapters.write, req.version)})
+        return web.json_response({"path": await self._data_plane(self.adapters.write, req.version)})
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         body = await _json(request)

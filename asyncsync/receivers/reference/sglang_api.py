@@ -300,7 +300,8 @@ class SglangApi:
         try:
             await asyncio.to_thread(change, *args)
         except (VersionRejected, WireError, LookupError, OSError, ValueError) as e:
-            return web.json_response({"success": False, "error_message": str(e), "loaded_adapters": None}, status=400)
+            return web.json_response({"success": False, "error_message": short(str(e)), "loaded_adapters": None},
+                                     status=400)
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.adapters.loaded)})
 
     async def ready(self, _r: web.Request) -> web.Response:

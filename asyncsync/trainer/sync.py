@@ -454,7 +454,7 @@ class WeightSync:
             del buffers
         if cfg.delta == "auto" and cfg.checksum and self._packer.encodes_deltas:
             # async mode's baseline is its snapshot; blocking mode keeps a whole version beside its ring
-            out["blocking_delta"] = {"device": out["blocking"]["device"] + plan.total_bytes, "host": out["blocking"]["host"]}
+            out["blocking_delta"] = {**out["blocking"], "device": out["blocking"]["device"] + plan.total_bytes}
         return out
 
     def _follow(self, version: int, source: Any) -> SyncResult | None:

@@ -8,7 +8,7 @@ same seed, on this host (shared memory) and on an emulated link of the config's 
 (a private network namespace, the collective transport). Keys other tools read: ``host_ratio``,
 ``link_ratio`` (async / blocking steps/s), ``sync_share_blocking`` (on the link: the time a blocking
 sync holds the trainer / the blocking step), and ``link_gbit``. ``--vllm`` adds both regimes with
-stock vLLM servers (``configs/grpo_vllm.yaml``; needs the vllm extra): ``vllm_host_ratio``,
+stock vLLM servers (``configs/grpo_vllm.yaml``; needs the vllm and bench extras in one environment): ``vllm_host_ratio``,
 ``vllm_link_ratio``, no target (vLLM on 2 CPU cores generates slowly).
 """
 

@@ -41,18 +41,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_grpo(args: argparse.Namespace) -> int:
     from asyncsync.config import ConfigError
     from asyncsync.grpo import GRPOConfig
-    from asyncsync.grpo.compare import MEANING, compare
+    from asyncsync.grpo.compare import MEANING, REGIMES, compare
     from asyncsync.grpo.loop import VllmMissing
 
     overrides = list(args.overrides) + ([f"link_gbit={args.link_gbit}"] if args.link_gbit else [])
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     try:
         cfg = GRPOConfig.load(args.config, overrides)
-        regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
-        modes = (False, True) if args.compare else (cfg.weight_sync.async_weight_update,)
-        figures = compare(cfg, regimes, not (args.quiet or args.no_progress), overrides, args.config, modes)
+        unknown = [r for r in regimes if r not in REGIMES]
+        if unknown:
+            raise ConfigError(f"--regimes: unknown regime(s) {unknown}: expected some of {list(REGIMES)}")
     except (ConfigError, OSError, ValueError) as e:
         print(f"asyncsync grpo: bad configuration: {e}", file=sys.stderr)
         return 2
+    modes = (False, True) if args.compare else (cfg.weight_sync.async_weight_update,)
+    try:  # what fails from here on is the run's own error, with its traceback
+        figures = compare(cfg, regimes, not (args.quiet or args.no_progress), overrides, args.config, modes)
     except VllmMissing as e:
         print(f"asyncsync grpo: {e}", file=sys.stderr)
         return 3

@@ -130,6 +130,12 @@ class Deadlines:
             raise ConfigError(f"collective_s: receivers refuse a group whose broadcasts may take longer than "
                               f"{MAX_DEADLINE_S:.0f}s, got {self.collective_s}")
 
+    @property
+    def version_s(self) -> float:
+        """The longest one version may take before a server is given up on: forming an epoch
+        (``rendezvous_s``), a broadcast (``collective_s``) and the HTTP phases (``http_s`` each)."""
+        return self.rendezvous_s + self.collective_s + 4 * self.http_s
+
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
@@ -159,8 +165,6 @@ class WeightSyncConfig:
     lora_name: str = "policy"
 
     def __post_init__(self) -> None:
-        if self.delta is False:  # YAML 1.1 (PyYAML) reads a bare `delta: off` as false
-            object.__setattr__(self, "delta", "off")
         if self.delta not in DELTA_MODES:
             raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
                               "the last version gets what changed since, off: every version whole)")
@@ -266,6 +270,8 @@ def from_mapping(cls: type[T], data: Any, prefix: str = "") -> T:
 
 
 def _field_value(hint: Any, value: Any, path: str) -> Any:
+    if hint is str and isinstance(value, bool):  # YAML 1.1 (PyYAML) reads a bare off / on as false / true
+        return "on" if value else "off"
     if dataclasses.is_dataclass(hint):
         return from_mapping(hint, value, f"{path}.")
     args = get_args(hint)

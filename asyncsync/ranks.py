@@ -51,7 +51,7 @@ class TrainerRanks:
 
         if trainer_ranks == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
-        timeout = timedelta(seconds=deadlines.rendezvous_s + deadlines.collective_s + 4 * deadlines.http_s)
+        timeout = timedelta(seconds=deadlines.version_s)
         boundary = dist.new_group(backend="gloo", timeout=timeout)
         send = dist.new_group(backend="gloo", timeout=timeout)
         ranks = cls(dist.get_rank(), dist.get_world_size(), boundary, send)

@@ -25,12 +25,12 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsync.grpo.config import GRPOConfig
-from asyncsync.grpo.loop import RunSummary, StepRecord, run_grpo
+from asyncsync.grpo.loop import RunSummary, run_grpo
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ModeFigures:
 
     @classmethod
     def of(cls, s: RunSummary) -> ModeFigures:
-        records: list[StepRecord] = [r if isinstance(r, StepRecord) else StepRecord(**r) for r in s.records]
+        records = s.records
         syncs = sorted(r.sync_s for r in records) or [0.0]
         return cls(mode=s.mode, steps=s.steps, steps_per_s=s.steps_per_s, step_s=s.wall_s / max(1, s.steps),
                    stall_s=statistics.mean(r.stall_s for r in records) if records else 0.0,
@@ -146,13 +146,12 @@ MEANING = ("Async hides what a blocking sync holds the trainer for, so it pays i
            "shared memory makes a sync cheap and its background work shares the cores with training.")
 
 
-def run_modes(cfg: GRPOConfig, regime: str, progress: bool, modes: Sequence[bool] = (False, True),
-              run: Callable[[GRPOConfig, bool], RunSummary] = lambda c, p: run_grpo(c, progress=p)) -> RegimeFigures:
+def run_modes(cfg: GRPOConfig, regime: str, progress: bool, modes: Sequence[bool] = (False, True)) -> RegimeFigures:
     """The ``modes`` (async_weight_update values) in order, with the same seed and all else equal."""
     figures = []
     for is_async in modes:
         run_cfg = dataclasses.replace(cfg, weight_sync=cfg.weight_sync.replace(async_weight_update=is_async))
-        figures.append(ModeFigures.of(run(run_cfg, progress)))
+        figures.append(ModeFigures.of(run_grpo(run_cfg, progress=progress)))
     return RegimeFigures(regime, tuple(figures))
 
 
@@ -179,11 +178,6 @@ def on_link(cfg: GRPOConfig, progress: bool, overrides: Sequence[str], config_pa
     from asyncsync import netns
 
     link = netns.Link(cfg.link_gbit)
-    why = netns.unavailable(link)
-    if why is not None:
-        log.warning("cannot emulate a %s link here (%s): the link regime runs on plain loopback", link.describe(), why)
-        on_cfg = dataclasses.replace(cfg, weight_sync=cfg.weight_sync.replace(transport="collective"))
-        return run_modes(on_cfg, f"link (plain loopback: {why})", progress, modes)
     with tempfile.TemporaryDirectory(prefix="asyncsync-link-") as tmp:
         out = os.path.join(tmp, "figures.json")
         settings = [*overrides, f"link_gbit={link.gbit:g}", "weight_sync.transport=collective"]
@@ -193,6 +187,11 @@ def on_link(cfg: GRPOConfig, progress: bool, overrides: Sequence[str], config_pa
                "--modes", ",".join("async" if m else "blocking" for m in modes),
                *(["--config", config_path] if config_path else []), *([] if progress else ["--quiet"]), *settings]
         done = netns.run(link, cmd, timeout_s=LINK_RUN_TIMEOUT_S)
+        if done.skipped is not None:
+            log.warning("cannot emulate a %s link here (%s): the link regime runs on plain loopback",
+                        link.describe(), done.skipped)
+            on_cfg = dataclasses.replace(cfg, weight_sync=cfg.weight_sync.replace(transport="collective"))
+            return run_modes(on_cfg, f"link (plain loopback: {done.skipped})", progress, modes)
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"the run on the emulated {link.describe()} link failed (exit code {done.returncode})")
         with open(out) as f:

@@ -114,13 +114,6 @@ def weight_sync_config(source: WeightSyncSource, trl_url: str | None) -> WeightS
     return config
 
 
-def longest_version_s(config: WeightSyncConfig) -> float:
-    """The longest one version can take before the sync gives up on a server (the deadlines of its
-    phases): how long the trainer waits for servers to catch up before generating anyway."""
-    d = config.deadlines
-    return d.rendezvous_s + d.collective_s + 4 * d.http_s
-
-
 # -- rollouts and the servers that generate them ---------------------------------------------------
 
 
@@ -380,7 +373,7 @@ class _SyncedGeneration:
             # The first version always: before it, servers hold whatever they were started or left with.
             needed = version - cfg.max_staleness if cfg.async_weight_update and not first else version
             # wait_for_fresh_servers(v) waits for v - max_staleness
-            if not self.sync.wait_for_fresh_servers(needed + cfg.max_staleness, timeout=longest_version_s(cfg)):
+            if not self.sync.wait_for_fresh_servers(needed + cfg.max_staleness, timeout=cfg.deadlines.version_s):
                 log.warning("not every server serves version %d yet (%s); generating from those that do", needed,
                             self.sync.server_versions)
             self.vllm_client.min_version = needed

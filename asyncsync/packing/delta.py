@@ -8,9 +8,9 @@ and one of the baseline, no second copy of the model: the baseline lives in the 
 packs into anyway (async mode's snapshot, or blocking mode's whole-version buffers).
 
 Full fallback, per bucket: the encoder gives up, and the bucket goes out whole, once its delta
-would exceed ``limit(nbytes)`` (``MAX_FRACTION`` of the bucket: about where, on an 8 gbit/s link,
-encoding and rebuilding a delta stop costing less than the bytes it saves; benchmarks/results/
-delta.json ``break_even`` has the measurement), or once a thread's first blocks put it on course for
+would exceed ``limit(nbytes)`` (``MAX_FRACTION`` of the bucket, about 7% of its elements changed:
+below where, on an 8 gbit/s link, encoding and rebuilding a delta stop costing less than the bytes
+it saves, 10-20%; benchmarks/results/delta.json ``links.*.break_even`` has the measurement), or once a thread's first blocks put it on course for
 twice that (a dense update: it then costs little more than a plain pack). Which servers may get a
 delta at all (those that committed exactly the baseline's version) is the sender's business
 (``transport.send``).

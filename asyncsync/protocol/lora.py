@@ -35,8 +35,8 @@ import torch
 
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.shm import SHM_DIR
-from asyncsync.protocol.specs import TensorSpec, dtype_from_name, dtype_name
-from asyncsync.protocol.wire import UpdateRequest, WireError, shown
+from asyncsync.protocol.specs import TensorSpec, dtype_name
+from asyncsync.protocol.wire import UpdateRequest, WireError, shown, spec_entries
 
 LORA_ROOT = os.path.join(SHM_DIR, "asyncsync-lora")  # the server host's tmpfs
 ADAPTER_REFUSED = "refused for lora: adapter"  # every receiver's refusal of an AdapterCheck or BaseCheck says this
@@ -111,18 +111,9 @@ def _pattern(value: Any, where: str, kind: type | tuple[type, ...]) -> None:
 
 
 def _specs(entries: Any, where: str) -> tuple[TensorSpec, ...]:
-    if not isinstance(entries, list) or not entries:
+    if isinstance(entries, list) and not entries:
         raise WireError(f"{where}: expected a non-empty list of [name, dtype, [sizes...]]")
-    specs = []
-    for i, e in enumerate(entries):
-        if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
-                and isinstance(e[2], list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e[2])):
-            raise WireError(f"{where}[{i}]: expected [name, dtype, [sizes...]], got {str(e)[:100]}")
-        try:
-            specs.append(TensorSpec(e[0], dtype_from_name(e[1]), tuple(e[2])))
-        except ValueError as err:
-            raise WireError(f"{where}[{i}]: {err}") from None
-    return tuple(specs)
+    return spec_entries(entries, where)
 
 
 def _specs_json(specs: Iterable[TensorSpec]) -> list[list[Any]]:

@@ -413,25 +413,32 @@ class LayoutCheck:
 
     @classmethod
     def from_json(cls, data: Any) -> LayoutCheck:
-        entries = _field(data, "check", list, "check")
-        if len(entries) > MAX_CHECKED_TENSORS:
-            raise WireError(f"check: at most {MAX_CHECKED_TENSORS} tensors, got {len(entries)}")
-        specs = []
-        for i, entry in enumerate(entries):
-            where = f"check[{i}]"
-            if not (isinstance(entry, list) and len(entry) == 3):
-                raise WireError(f"{where}: expected [name, dtype, [sizes...]], got {shown(entry)}")
-            name, dtype, shape = entry
-            _text(name, MAX_NAME_CHARS, where)
-            if not sane_text(dtype, MAX_DTYPE_CHARS):
-                raise WireError(f"{where}: expected a dtype name, got {shown(dtype)}")
-            if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(x) and 0 <= x <= MAX_BYTES for x in shape):
-                raise WireError(f"{where}: expected a list of at most {MAX_DIMS} non-negative integers, got {shown(shape)}")
-            try:
-                specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
-            except ValueError as e:
-                raise WireError(f"{where}: {short(str(e))}") from None
-        return cls(tuple(specs))
+        return cls(spec_entries(_field(data, "check", list, "check"), "check"))
+
+
+def spec_entries(entries: Any, where: str) -> tuple[TensorSpec, ...]:
+    """Tensor specs sent as ``[[name, dtype, [sizes...]], ...]`` (a ``LayoutCheck``, an adapter's),
+    each bounded and validated before a ``TensorSpec`` is made of it."""
+    if not isinstance(entries, list):
+        raise WireError(f"{where}: expected a list of [name, dtype, [sizes...]], got {shown(entries)}")
+    if len(entries) > MAX_CHECKED_TENSORS:
+        raise WireError(f"{where}: at most {MAX_CHECKED_TENSORS} tensors, got {len(entries)}")
+    specs = []
+    for i, entry in enumerate(entries):
+        at = f"{where}[{i}]"
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise WireError(f"{at}: expected [name, dtype, [sizes...]], got {shown(entry)}")
+        name, dtype, shape = entry
+        _text(name, MAX_NAME_CHARS, at)
+        if not sane_text(dtype, MAX_DTYPE_CHARS):
+            raise WireError(f"{at}: expected a dtype name, got {shown(dtype)}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(x) and 0 <= x <= MAX_BYTES for x in shape):
+            raise WireError(f"{at}: expected a list of at most {MAX_DIMS} non-negative integers, got {shown(shape)}")
+        try:
+            specs.append(TensorSpec(name, dtype_from_name(dtype), tuple(shape)))
+        except ValueError as e:
+            raise WireError(f"{at}: {short(str(e))}") from None
+    return tuple(specs)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from asyncsync.protocol.lora import CONFIG_FILE, LORA_ROOT, WEIGHTS_FILE, AdapterVersion, parse_version_name
+from asyncsync.protocol.shm import alive
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,12 @@ class AdapterFiles:
         for slot in os.listdir(self.root) if os.path.isdir(self.root) else ():
             try:
                 with open(os.path.join(self.root, slot, WRITER)) as f:
-                    os.kill(int(f.read().strip()), 0)
-            except ProcessLookupError:
+                    writer = int(f.read().strip())
+            except (OSError, ValueError):  # being written: left alone
+                continue
+            if not alive(writer):
                 shutil.rmtree(os.path.join(self.root, slot), ignore_errors=True)
                 removed.append(slot)
-            except (OSError, ValueError):  # being written, or another user's: left alone
-                continue
         return removed
 
     def close(self) -> None:

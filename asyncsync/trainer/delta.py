@@ -25,11 +25,11 @@ PROBE_EVERY = 8
 def keeps_baseline(config: WeightSyncConfig, packer: PackBackend, trainer_ranks: int,
                    memberships: Iterable[Membership]) -> bool:
     """``delta: auto`` with checksums, a backend that encodes deltas, one trainer process (a sharded
-    trainer's owners assemble buckets as they are sent: not done), and a server that can take a
-    delta: one whose receivers rebuild them, reached over the data plane (servers on shared memory
-    map every version: no wire to save)."""
+    trainer's owners assemble buckets as they are sent: not done), and a membership that can take
+    deltas (``Membership.takes_deltas``: every member rebuilds them and is reached over the data
+    plane; servers on shared memory map every version: no wire to save)."""
     return (config.delta == "auto" and config.checksum and packer.encodes_deltas and trainer_ranks == 1
-            and any(e.protocol.deltas and e.url not in m.shared for m in memberships for e in m.engines))
+            and any(m.takes_deltas() for m in memberships))
 
 
 class EncodeAhead:
@@ -38,8 +38,10 @@ class EncodeAhead:
     before its broadcast (a whole version, packing hidden behind the wire). Ahead while deltas pay;
     after a version whose deltas would still have sent more than ``PAYS_BELOW`` of its bytes (dense
     updates), the ring, with one version ahead every ``PROBE_EVERY`` to see whether they pay again.
-    A version encoded ahead against no baseline (the first, or after the ring) says nothing: the
-    next one is ahead too."""
+    A version encoded ahead against no baseline (the first) says nothing: the next one is ahead too.
+    The probe after the ring is encoded against the last version packed ahead, older than what the
+    servers hold, so it goes whole; its deltas measure the change since then, which errs towards
+    the ring."""
 
     def __init__(self) -> None:
         self._ring_left = 0

@@ -415,7 +415,7 @@ class WeightSync:
             self._ring = ring()
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
             if delta:  # the baseline, beside the ring (trainer/delta.py)
-                self._baseline = self._buffers(plan, named, owners, "device", None, delta=True)[1]()
+                self._baseline = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, delta=True)
             return
         if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res, self._loads)

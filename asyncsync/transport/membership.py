@@ -158,6 +158,14 @@ class Membership:
                 log.warning("%s did not answer %s: %s", url, what, answer)
         return {url: answer for url, answer in answers.items() if isinstance(answer, str)}
 
+    def takes_deltas(self) -> bool:
+        """Whether a version may go to these members as deltas at all (``transport.send.delta_for``
+        then asks which version each holds): one broadcast reaches every member of a group, so every
+        member must rebuild deltas and receive over the data plane (none on shared memory), from a
+        single trainer process (a sharded trainer's owners assemble buckets as they are sent)."""
+        return (not self.shared and self.ranks.world == 1 and bool(self.members)
+                and all(e.protocol.deltas for e in self.members))
+
     def reachable(self) -> bool:
         """Whether a later version can still reach a server: some member does not refuse this plan."""
         return any(e.url not in self.refusing for e in self.members)

@@ -243,9 +243,9 @@ def delta_for(members: Membership, plan: BucketPlan, source: BucketSource) -> De
     whole anyway: a new, restarted or readmitted server, one that missed or refused a version, a
     version packed without a baseline, servers on shared memory (nothing crosses a wire)."""
     base = getattr(source, "delta_base", None)
-    if base is None or members.group is None or members.shared or members.ranks.world > 1:
+    if base is None or members.group is None or not members.takes_deltas():
         return None
-    if not all(e.protocol.deltas and members.baselines.get(e.url) == base for e in members.members):
+    if not all(members.baselines.get(e.url) == base for e in members.members):
         return None
     payloads = [source.delta(b) for b in plan.buckets]  # type: ignore[attr-defined]
     nbytes = tuple(0 if d is None or (p := d.payload()) is None else p.numel() for d in payloads)

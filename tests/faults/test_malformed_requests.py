@@ -8,6 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from asyncsync.models import build_model
+from asyncsync.protocol.wire import MAX_ERROR_CHARS, PROTOCOL_VERSION
 from asyncsync.receivers.reference.app import ReferenceServer
 
 from conftest import TINY
@@ -133,8 +134,8 @@ SHM = b'{"segment": "asyncsync-1-ab-0", "offsets": [4], "crcs": [1], "host": {"b
         ("/begin", b"[" * 10000 + b"]" * 10000, {}, "not valid JSON"),
         ("/begin", b'{"version": 1}', {"Content-Type": "application/json; charset=klingon"}, "not valid JSON"),
         ("/begin", b'{"version": 1}', {"X-Asyncsync-Session": "a\tb"}, "X-Asyncsync-Session"),
-        ("/init_group", b'{"rank_offset": 1, "protocol": 2, "group": %s}' % (GROUP % (b'"g"', b"NaN")), {}, "timeout_s"),
-        ("/init_group", b'{"rank_offset": 1, "protocol": 2, "group": %s}' % (GROUP % (b'"g\\ud800"', b"1")), {},
+        ("/init_group", b'{"rank_offset": 1, "protocol": %d, "group": %s}' % (PROTOCOL_VERSION, GROUP % (b'"g"', b"NaN")), {}, "timeout_s"),
+        ("/init_group", b'{"rank_offset": 1, "protocol": %d, "group": %s}' % (PROTOCOL_VERSION, GROUP % (b'"g\\ud800"', b"1")), {},
          "group_name"),
         ("/update", b'{"version": 1, "checksum": false, "deadlines_s": [Infinity], "buckets": [%s]}' % BUCKET, {},
          "deadlines_s"),
@@ -159,7 +160,7 @@ async def test_the_issues_500s_are_400s_now(model, path, body, headers, says):
         resp = await client.post(path, data=body, headers={"Content-Type": "application/json", **headers})
         assert resp.status == 400, await resp.text()
         error = (await resp.json())["error"]
-        assert says in error and len(error) <= 600, error
+        assert says in error and len(error) <= MAX_ERROR_CHARS, error
         ok = await client.post("/generate", json={"prompt": [1], "max_new_tokens": 2})
         assert ok.status == 200
     finally:

@@ -185,3 +185,70 @@ def test_a_layout_every_server_refuses_is_an_error_and_nobody_waits_for_it(slow_
     assert sync.errors and all("refused by every server for its layout" in e for e in sync.errors), sync.errors
     assert "1 tensor(s) sent that it does not load, e.g. 'no.such.weight'" in sync.errors[-1]
     assert {s.get("/version")["version"] for s in slow_servers} == {start}, "nothing was applied"
+
+
+class GatedBuffers:
+    """A snapshot whose packing waits for ``packing``: the test decides when a copy ends."""
+
+    nbytes = host_nbytes = 0
+
+    def __init__(self, packing: threading.Event):
+        self.packing, self.entered = packing, threading.Event()
+
+    def pack_all(self, named: object, version: int) -> None:
+        self.entered.set()
+        assert self.packing.wait(10)
+
+    def packed(self) -> None:
+        return None
+
+
+def test_a_boundary_met_while_a_version_is_being_taken_does_not_skip_the_next_one():
+    """The trainer reaches its boundary while the snapshotter is already copying version 1: that
+    boundary decides version 1 only. Version 2, published after it, is drained by close() and sent;
+    it used to be skipped as soon as it was published (the boundary was a flag left set)."""
+    from asyncsync.metrics import SyncMetrics, SyncResult
+    from asyncsync.protocol.device import HostRuntime
+    from asyncsync.protocol.specs import BucketPlan
+    from asyncsync.ranks import TrainerRanks
+    from asyncsync.trainer.source import WeightsReader
+    from asyncsync.trainer.streams import StreamSet
+    from asyncsync.trainer.worker import SyncWorker
+
+    packing, sending, sender_in = threading.Event(), threading.Event(), threading.Event()
+    sent: list[int] = []
+
+    def send(version: int, source: object, result: SyncResult) -> SyncResult:
+        sender_in.set()
+        assert sending.wait(10)
+        sent.append(version)
+        result.server_versions = {"stand-in": version}
+        return result
+
+    model = torch.nn.Linear(2, 2)
+    reader = WeightsReader()
+    plan = BucketPlan.from_tensors(reader.read(model).tensors().items(), 1024)
+    buffers = GatedBuffers(packing)
+    metrics = SyncMetrics()
+    worker = SyncWorker([send], plan, lambda: buffers, StreamSet(HostRuntime()), metrics, TrainerRanks(),
+                        served=lambda v: v)
+    try:
+        worker.publish(reader.read(model), 1)
+        assert buffers.entered.wait(10), "the snapshotter takes version 1"
+        boundary = threading.Thread(target=worker.wait_snapshot)  # the trainer's next step begins
+        boundary.start()
+        boundary.join(0.2)
+        assert boundary.is_alive(), "the boundary waits for version 1's copy"
+        packing.set()
+        boundary.join(10)
+        assert sender_in.wait(10), "version 1 is being sent: the only snapshot is busy"
+        worker.publish(reader.read(model), 2)
+        threading.Event().wait(0.2)  # time for a wrongly woken snapshotter to skip version 2
+        assert metrics.as_dict()["superseded"] == 0
+        sending.set()
+    finally:
+        packing.set()
+        sending.set()
+        worker.close()
+        reader.close()
+    assert sent == [1, 2], "close() drained the last version"

@@ -86,7 +86,7 @@ class _State:
     closing: bool = False
     errors: list[str] = field(default_factory=list)
     lost: str | None = None  # why another trainer rank is gone: the worker stopped
-    boundary: bool = False   # the trainer is about to change the weights: take or skip the pending version now
+    boundary: int = 0        # the trainer is about to change the weights: versions up to this one are taken or skipped now
     draining: bool = False   # close(): the pending version waits for a free snapshot, then is taken
 
 
@@ -178,7 +178,9 @@ class SyncWorker:
     def _decided(self) -> None:
         """(Holding the lock.) The boundary: the last published version is taken or skipped now."""
         if self._s.last_snapshot < self._s.last_published:
-            self._s.boundary = True
+            # A version number, not a flag: a boundary met while the snapshotter was already taking
+            # the version must not skip the next one, published after it (close() drains that one).
+            self._s.boundary = self._s.last_published
             self._cond.notify_all()
         self._cond.wait_for(lambda: self._s.last_snapshot >= self._s.last_published or self._snapshotter_dead())
 
@@ -231,15 +233,19 @@ class SyncWorker:
         busy = {id(x) for x in [*self._s.sending, *self._s.ready] if x is not None}
         return next((s for s in self._sets if id(s) not in busy), None)
 
+    def _at_boundary(self) -> bool:
+        """(Holding the lock.) The trainer waits on the pending version: take it or skip it now."""
+        return self._s.published is not None and self._s.published.version <= self._s.boundary
+
     def _snapshot_loop(self) -> None:
         self.streams.enter_copy_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._s.closing or (self._s.published is not None and (
-                    self._free() is not None or (self._s.boundary and not self._s.draining))))
+                    self._free() is not None or (self._at_boundary() and not self._s.draining))))
                 if self._s.published is None:
                     return
-                item, self._s.published, self._s.boundary = self._s.published, None, False
+                item, self._s.published = self._s.published, None
                 target = self._free()
                 self._s.writing = target
             if not self.ranks.all_agree(target is not None):  # every rank's snapshot is free, or none takes it

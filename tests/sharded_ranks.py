@@ -107,7 +107,7 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
     sync.connect(trainer.model)
     try:
         held = sync._reader.read(trainer.model).tensors().sources  # the fused experts, as the ranks hold them
-        report = dict(buffer_bytes=sync.buffer_bytes, host_buffer_bytes=sync.host_buffer_bytes,
+        report = dict(buffer_bytes=sync.buffer_bytes, host_buffer_bytes=sync.host_buffer_bytes, baseline_bytes=sync.baseline_bytes,
                       local_bytes=local_bytes(held, set(sync.layout.source_specs)), bucket_bytes=sync.plan.max_bucket_bytes,
                       model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.buffer_bytes,
                       converted=not sync.layout.identity)
@@ -128,6 +128,44 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
     if rank == 0:
         check_served(urls, first + versions - 1, full)
     return report
+
+
+def nudge(model: torch.nn.Module, version: int) -> None:
+    """A sparse update, as bf16 weights at an RL learning rate see one: every 211th element of each
+    rank's shard of every parameter moves, the rest stay bit for bit."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().view(-1)[version % 7 :: 211].add_(1 / 64)
+
+
+def sparse_deltas(rank: int, urls: list[str], trainer: Trainer, first: int, versions: int,
+                  async_weight_update: bool) -> dict[str, Any]:
+    """Sparse updates published with ``delta: auto``: the servers serve every version (blocking) or the
+    last (async) bit for bit as the model unsharded; returns rank 0's results as (version, delta base,
+    bytes on the wire, bytes of the version)."""
+    from asyncsync.trainer.sync import WeightSync
+
+    sync = WeightSync(sync_config(urls, async_weight_update=async_weight_update, delta="auto"))
+    sync.connect(trainer.model)
+    results = []
+    try:
+        for v in range(first, first + versions):
+            sync.wait_snapshot()
+            nudge(trainer.model, v)
+            full = trainer.full()
+            result = sync.publish(trainer.model, v)
+            if result is not None:
+                assert result.failures == {} and set(result.server_versions.values()) == {v}, result
+                if rank == 0:
+                    check_served(urls, v, full)
+            time.sleep(0.2 if async_weight_update else 0)  # a step: each version is sent before the next
+    finally:
+        sync.close()
+    assert sync.errors == [], sync.errors
+    if rank == 0:
+        check_served(urls, first + versions - 1, full)
+        results = [(r.version, r.delta_base, r.wire_bytes, r.nbytes) for r in sync.metrics.history]
+    return dict(results=results, baseline_bytes=sync.metrics.baseline_bytes, model_bytes=sync.plan.total_bytes)
 
 
 def mesh_2d(rank: int, world: int, urls: list[str], version: int) -> dict[str, Any]:
@@ -220,6 +258,8 @@ def run_scenarios(rank: int, world: int, urls: list[str], scenarios: list[tuple[
     for name, kw in scenarios:
         if name == "train":
             out[kw["label"]] = train_and_sync(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
+        elif name == "sparse":
+            out[kw["label"]] = sparse_deltas(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
         elif name == "mesh_2d":
             out[name] = mesh_2d(rank, world, urls, kw["version"])
         elif name == "rank_exits":

@@ -60,14 +60,41 @@ def test_every_rank_publishes_and_servers_get_the_unsharded_model_bit_exactly(mo
             assert m["metrics_bytes"] == m["buffer_bytes"], "the metrics report what was allocated"
             assert m["converted"], "the fused experts are sent in the checkpoint layout"
             buckets = 3 * bucket  # the owner's scratch and slot, and the bucket converted from the slot
+            # delta: auto keeps the buckets a rank owns as the baseline; not with a host snapshot (it
+            # would be on the device), nor where every bucket goes through rank 0 (the whole model there)
+            baseline = m["baseline_bytes"]
+            assert (baseline == 0) == (label in ("async_host", "funnel")), (rank, label, m)
+            assert baseline <= m["model_bytes"] * 0.75, f"rank {rank}'s baseline is most of the model: {m}"
             if label == "async_device":
-                assert m["buffer_bytes"] <= local + buckets, (rank, label, m)
+                assert m["buffer_bytes"] <= local + buckets + baseline, (rank, label, m)
             else:
-                assert m["buffer_bytes"] <= buckets, (rank, label, m)
+                assert m["buffer_bytes"] <= buckets + baseline, (rank, label, m)
             if label == "async_host":
                 assert 0 < m["host_buffer_bytes"] <= local, (rank, label, m)
             else:
                 assert m["host_buffer_bytes"] == 0, (rank, label, m)
+
+
+def test_each_owner_sends_deltas_of_its_buckets_and_servers_get_the_unsharded_model_bit_exactly(moe_servers):
+    """Sparse updates with ``delta: auto``: every rank encodes the buckets it owns against the last
+    version it sent, so after the first version each goes out as deltas, a small fraction of its
+    bytes, and the servers still serve exactly the model unsharded (checked at every blocking
+    version and after async mode's drain); each rank's baseline is its share of the model."""
+    urls = [s.url for s in moe_servers]
+    scenarios = [("sparse", dict(label="blocking", first=20, versions=3, async_weight_update=False)),
+                 ("sparse", dict(label="async", first=30, versions=4, async_weight_update=True))]
+    ranks = reports(run_ranks(urls, scenarios))
+    for label in ("blocking", "async"):
+        results = ranks[0][label]["results"]
+        assert len(results) >= 3, results
+        version, base, wire, nbytes = results[0]
+        assert base is None and wire == nbytes, "the first version after connect goes whole"
+        for (before, *_), (version, base, wire, nbytes) in zip(results, results[1:]):
+            assert base == before, f"version {version} was encoded against the version sent before it"
+            assert 0 < wire < 0.2 * nbytes, f"version {version} sent {wire} of {nbytes} bytes"
+        model = ranks[0][label]["model_bytes"]
+        baselines = [r[label]["baseline_bytes"] for r in ranks]
+        assert all(0 < b < 0.75 * model for b in baselines) and sum(baselines) == model, baselines
 
 
 @pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])

@@ -103,6 +103,11 @@ class PackedBuffers:
         return sum(b.numel() for b in self.buffers) if self.pool is None else 0
 
     @property
+    def baseline_nbytes(self) -> int:
+        """Of ``nbytes``, those that are a delta baseline: all of them, or none."""
+        return self.nbytes if self.delta else 0
+
+    @property
     def host_nbytes(self) -> int:
         """Bytes in host memory apart from the weights' device: none here (a ``ShardedBuffers`` host
         snapshot has some; a shared pool's segments are counted by the pool)."""
@@ -161,6 +166,11 @@ class PackedBuffers:
         """What the last ``pack_all`` encoded of ``bucket`` (None: not encoded)."""
         return self.deltas[self._slot[bucket.index]]
 
+    def delta_nbytes(self) -> tuple[int, ...]:
+        """The size of each bucket's delta from the last ``pack_all`` (0: it goes whole)."""
+        return tuple(0 if d is None or (p := d.payload()) is None else p.numel()
+                     for d in (self.delta_of(b) for b in self.plan.buckets))
+
     def packed(self) -> Prepacked:
         """A source for ``send_version`` over what ``pack_all`` wrote."""
         return Prepacked(self)
@@ -194,6 +204,10 @@ class Prepacked:
     def delta(self, bucket: Bucket) -> Delta | None:
         """``bucket`` encoded against ``delta_base`` (its ``payload()`` is None: send it whole)."""
         return self.buffers.delta_of(bucket)
+
+    def delta_nbytes(self) -> tuple[int, ...] | None:
+        """Every bucket's delta size (0: whole); None when the version was not encoded."""
+        return self.buffers.delta_nbytes() if self.delta_base is not None else None
 
 
 class PackOnDemand:

@@ -1,18 +1,17 @@
 """When the trainer keeps a delta baseline, and when blocking mode encodes a version ahead.
 
 The baseline is the whole-version buffers a version is packed into (``PackedBuffers(delta=True)``):
-async mode's snapshot itself, or in blocking mode one more set beside the ring. Which server gets a
-delta of a version is decided when it is sent (``transport.send``): only one that committed exactly
-the version those buffers held before.
+async mode's snapshot itself, or in blocking mode one more set beside the ring. A sharded trainer's
+rank keeps the buckets it owns (``trainer.shards.OwnedBaseline``), encoded when the version is sent.
+Which server gets a delta of a version is decided when it is sent (``transport.send``): only one
+that committed exactly the version those buffers held before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from asyncsync.config import WeightSyncConfig
 from asyncsync.packing import PackBackend
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.protocol.specs import BucketPlan
 from asyncsync.transport.membership import Membership
 
 # Blocking mode: after a version whose deltas still sent more than PAYS_BELOW of its bytes (dense
@@ -22,13 +21,14 @@ PAYS_BELOW = 0.5
 PROBE_EVERY = 8
 
 
-def keeps_baseline(config: WeightSyncConfig, packer: PackBackend, trainer_ranks: int,
-                   memberships: Iterable[Membership]) -> bool:
-    """``delta: auto`` with checksums, a backend that encodes deltas, one trainer process (a sharded
-    trainer's owners assemble buckets as they are sent: not done), and a membership that can take
+def keeps_baseline(config: WeightSyncConfig, packer: PackBackend, memberships: list[Membership]) -> bool:
+    """``delta: auto`` with checksums, a backend that encodes deltas, and a membership that can take
     deltas (``Membership.takes_deltas``: every member rebuilds them and is reached over the data
-    plane; servers on shared memory map every version: no wire to save)."""
-    return (config.delta == "auto" and config.checksum and packer.encodes_deltas and trainer_ranks == 1
+    plane; servers on shared memory map every version: no wire to save). A sharded trainer's
+    buckets must be spread over its ranks: one whose every bucket goes through rank 0 would hold
+    the whole model there. Rank 0 decides (it holds the memberships) and tells the other ranks."""
+    spread = all(m.ranks.world == 1 or m.sources > 1 for m in memberships)
+    return (config.delta == "auto" and config.checksum and packer.encodes_deltas and spread
             and any(m.takes_deltas() for m in memberships))
 
 
@@ -52,12 +52,11 @@ class EncodeAhead:
             return False
         return True
 
-    def encoded(self, baseline: PackedBuffers) -> None:
-        """``baseline`` was just packed ahead: did its deltas pay?"""
-        if baseline.delta_base is None:
+    def encoded(self, plan: BucketPlan, nbytes: tuple[int, ...] | None) -> None:
+        """A version of ``plan`` was just packed ahead, its buckets' deltas ``nbytes`` (0: whole;
+        None: not encoded, or not known on this rank): did they pay?"""
+        if nbytes is None:
             return
-        buckets = baseline.plan.buckets
-        sent = sum(b.nbytes if d is None or (p := d.payload()) is None else p.numel()
-                   for b, d in zip(buckets, (baseline.delta_of(b) for b in buckets)))
-        if sent > PAYS_BELOW * baseline.plan.total_bytes:
+        sent = sum(n or b.nbytes for n, b in zip(nbytes, plan.buckets))
+        if sent > PAYS_BELOW * plan.total_bytes:
             self._ring_left = PROBE_EVERY - 1

@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 
+from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
+from asyncsync.packing.delta import Delta, limit
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.checkpoint import Conversion
+from asyncsync.protocol.delta import delta_word
 from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view, unpack
 from asyncsync.trainer.layout import LayoutView
 from asyncsync.trainer.source import check_layout, local_part
@@ -182,12 +185,17 @@ class ShardedBuffers:
     * ``slot``: the bucket this rank assembles and broadcasts, reused by the buckets it owns (a
       bucket waits for the previous one's broadcast: ``reuses``).
 
-    So a rank holds its own shards once (async) and two buckets at most on the device: never the
-    model. ``nbytes`` is what lives on the weights' device, ``host_nbytes`` a host snapshot.
+    * ``baseline`` (``delta: auto``, a ``packer`` that encodes deltas): the buckets this rank owns,
+      as the last version sent held them: the baseline each next version's owned buckets are encoded
+      against (``OwnedBaseline``), about the model's bytes over the number of ranks.
+
+    So a rank holds its own shards once (async) and two buckets at most on the device, plus its owned
+    buckets with deltas: never the model. ``nbytes`` is what lives on the weights' device,
+    ``host_nbytes`` a host snapshot.
     """
 
     def __init__(self, plan: BucketPlan, layout: ShardLayout, ranks: Any, runtime: Any, checksum: bool,
-                 snapshot: str | None, conversion: Conversion | None = None):
+                 snapshot: str | None, conversion: Conversion | None = None, packer: PackBackend | None = None):
         self.plan, self.layout, self.ranks, self.runtime, self.checksum = plan, layout, ranks, runtime, checksum
         self.conversion = conversion
         rank = self.rank = ranks.rank
@@ -214,12 +222,20 @@ class ShardedBuffers:
         self.converted = torch.empty(max((plan.buckets[b.bucket.index].nbytes for b in owned), default=0) if conversion
                                      else 0, dtype=torch.uint8, device=device)
         self._last_owned = {after.bucket.index: before.bucket.index for before, after in zip(owned, owned[1:])}
+        self.baseline = OwnedBaseline([plan.buckets[b.bucket.index] for b in owned], packer, device) if packer else None
+        self.delta = self.baseline is not None
+        self.version: int | None = None  # the version ``pack_all`` last packed
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the weights' device: the scratch, the slot (and its converted bucket) and a device snapshot."""
-        device = self.scratch.numel() + self.slot.numel() + self.converted.numel()
+        """Bytes on the weights' device: the scratch, the slot (and its converted bucket), a device
+        snapshot and the delta baseline."""
+        device = self.scratch.numel() + self.slot.numel() + self.converted.numel() + self.baseline_nbytes
         return device + (self.snapshot.numel() if self.snapshot is not None and not self.host_snapshot else 0)
+
+    @property
+    def baseline_nbytes(self) -> int:
+        return self.baseline.nbytes if self.baseline is not None else 0
 
     @property
     def host_nbytes(self) -> int:
@@ -237,9 +253,13 @@ class ShardedBuffers:
         check_layout(self.plan, named, self.device)
         for shards in self.layout.buckets:
             pack_contribution(shards, self.rank, sources(named), self.area(shards.bucket.index))
+        self.version = version
 
-    def packed(self) -> ShardedSource:
-        """A source for ``send_version`` over what ``pack_all`` wrote."""
+    def packed(self) -> ShardedSource | Encoded:
+        """A source for ``send_version`` over what ``pack_all`` wrote; with a baseline, the version
+        encoded ahead (``encode``: a collective, on the sender's thread of every rank)."""
+        if self.baseline is not None:
+            return self.encode(ShardedSource(self, None, checksums=False), self.version)
         return ShardedSource(self, None)
 
     def packing(self, named: Mapping[str, torch.Tensor]) -> ShardedSource:
@@ -247,6 +267,39 @@ class ShardedBuffers:
         ``LayoutChanged`` (or ``UnpackableTensor``) now, before anything is sent."""
         check_layout(self.plan, named, self.device)
         return ShardedSource(self, sources(named))
+
+    def encoding(self, named: Mapping[str, torch.Tensor], version: int) -> Encoded:
+        """Blocking mode's version encoded ahead from the live shards (``packing``, then ``encode``)."""
+        check_layout(self.plan, named, self.device)
+        return self.encode(ShardedSource(self, sources(named), checksums=False), version)
+
+    def encode(self, live: ShardedSource, version: int | None) -> Encoded:
+        """Every rank, together, before the version's update request: each bucket's pieces go to its
+        owner as ``send_version`` would send them, and the owner packs the assembled bucket over its
+        baseline, encoding what changed (``OwnedBaseline``); then rank 0 gathers every bucket's delta
+        size, which the request must name. A bucket a rank could not pack keeps the exchange paired
+        and is raised again when the version is sent (it is abandoned). Sends nothing to a server."""
+        assert self.baseline is not None
+        baseline = self.baseline
+        base, baseline.version = baseline.version, None  # until every owned bucket is packed, it holds none
+        failed: dict[int, UnpackableTensor] = {}
+        sizes: dict[int, int] = {}
+        for shards in self.layout.buckets:
+            bucket = self.plan.buckets[shards.bucket.index]
+            try:
+                if shards.owner == self.rank:
+                    sizes[bucket.index] = baseline.pack(bucket, live.bucket(bucket), encode=base is not None)
+                else:
+                    live.contribute(bucket)
+            except UnpackableTensor as e:
+                failed[bucket.index] = e
+        baseline.version = version if not failed else None
+        gathered = self.ranks.gather_objects(sizes)
+        nbytes = None
+        if gathered is not None:
+            every = {i: n for part in gathered for i, n in part.items()}
+            nbytes = tuple(every.get(b.index, 0) for b in self.plan.buckets)
+        return Encoded(self, base, nbytes, failed)
 
 
 def sources(named: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -260,8 +313,9 @@ class ShardedSource:
     that does not own it ``contribute``s its pieces; the owner's ``bucket`` receives the others'
     pieces and assembles the whole bucket in the slot, which it then broadcasts."""
 
-    def __init__(self, buffers: ShardedBuffers, named: Mapping[str, torch.Tensor] | None):
+    def __init__(self, buffers: ShardedBuffers, named: Mapping[str, torch.Tensor] | None, checksums: bool = True):
         self.buffers, self.named = buffers, named
+        self.checksums = checksums and buffers.checksum  # off where the baseline's packing takes them
         self._crc: dict[int, int | torch.Tensor | None] = {}
 
     def owner(self, bucket: Bucket) -> int:
@@ -314,7 +368,7 @@ class ShardedSource:
             assemble(shards, parts, out)
         if b.conversion is not None:  # the whole sources are here: their conversion is the bucket sent
             out = convert_bucket(b.conversion, shards.bucket, out, bucket, b.converted[: bucket.nbytes])
-        if b.checksum:
+        if self.checksums:
             self._crc[bucket.index] = bucket_crc(out)
         return out
 
@@ -333,3 +387,74 @@ def convert_bucket(conversion: Conversion, assembled: Bucket, buf: torch.Tensor,
         for spec, at in zip(bucket.specs, bucket.offsets):
             byte_view(out, at, spec.dtype, spec.shape).copy_(made[spec.name])
     return out
+
+
+class OwnedBaseline:
+    """The delta baseline of a sharded trainer's rank: a buffer per bucket it owns, holding that
+    bucket as the last version encoded left it (``version``; None while none is whole). ``pack``
+    writes a newly assembled bucket over it with ``PackBackend.pack_delta``, which finds what
+    changed in the same pass (``packing/delta.py``), or packs it plainly when there is no baseline."""
+
+    def __init__(self, buckets: list[Bucket], packer: PackBackend, device: torch.device):
+        self.packer = packer
+        self.version: int | None = None
+        self.buffers = {b.index: torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in buckets}
+        self.crcs: dict[int, int | torch.Tensor] = {}
+        self.deltas: dict[int, Delta | None] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+    def pack(self, bucket: Bucket, assembled: torch.Tensor, encode: bool) -> int:
+        """``bucket``'s new bytes over the baseline; returns the delta's size (0: it goes whole)."""
+        out = self.buffers[bucket.index]
+        self.deltas[bucket.index] = None
+        if not encode:
+            self.crcs[bucket.index] = self.packer.pack([assembled], [0], out, True)
+            return 0
+        self.crcs[bucket.index], delta = self.packer.pack_delta([assembled], [0], out, delta_word(bucket),
+                                                                limit(bucket.nbytes))
+        self.deltas[bucket.index] = delta
+        payload = delta.payload()
+        return 0 if payload is None else payload.numel()
+
+
+class Encoded:
+    """A ``transport.send.BucketSource`` over a version ``ShardedBuffers.encode`` packed ahead: each
+    owner's buckets are whole in its baseline (``delta_base``: the version they were encoded
+    against; None: not encoded), their deltas and checksums ready; the pieces already reached their
+    owners, so ``contribute`` sends nothing. ``delta_nbytes`` (rank 0 only) is every bucket's."""
+
+    def __init__(self, buffers: ShardedBuffers, base: int | None, nbytes: tuple[int, ...] | None,
+                 failed: dict[int, UnpackableTensor]):
+        assert buffers.baseline is not None
+        self.buffers, self.baseline, self.failed = buffers, buffers.baseline, failed
+        self.delta_base = base if not failed else None
+        self._nbytes = nbytes
+
+    def owner(self, bucket: Bucket) -> int:
+        return self.buffers.layout.buckets[bucket.index].owner
+
+    def reuses(self, bucket: Bucket) -> int | None:
+        return None
+
+    def _check(self, bucket: Bucket) -> None:
+        if bucket.index in self.failed:
+            raise self.failed[bucket.index]
+
+    def contribute(self, bucket: Bucket) -> None:
+        self._check(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        self._check(bucket)
+        return self.baseline.buffers[bucket.index]
+
+    def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
+        return self.baseline.crcs.get(bucket.index) if self.buffers.checksum else None
+
+    def delta(self, bucket: Bucket) -> Delta | None:
+        return self.baseline.deltas.get(bucket.index)
+
+    def delta_nbytes(self) -> tuple[int, ...] | None:
+        return self._nbytes if self.delta_base is not None else None

@@ -36,10 +36,10 @@ from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.adapter import Adapter
-from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
+from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers, Prepacked
 from asyncsync.trainer.delta import EncodeAhead, keeps_baseline
 from asyncsync.trainer.layout import PeftMerge, WeightLayout
-from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
+from asyncsync.trainer.shards import Encoded, ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)
 from asyncsync.trainer.streams import StreamSet
@@ -138,10 +138,11 @@ class WeightSync:
     @property
     def baseline_bytes(self) -> int:
         """Bytes of the buffers that hold the delta baseline (part of ``buffer_bytes``): async mode's
-        snapshots themselves, blocking mode's one whole-version set beside the ring; 0 without deltas."""
+        snapshots themselves, blocking mode's one whole-version set beside the ring, a sharded
+        trainer's rank the buckets it owns; 0 without deltas."""
         if self._worker is not None:
-            return self._worker.nbytes if self._worker.encodes_deltas else 0
-        return self._baseline.nbytes if self._baseline is not None else 0
+            return self._worker.baseline_nbytes
+        return sum(b.baseline_nbytes for b in (self._ring, self._baseline) if b is not None)
 
     def connect(self, model: Weights, convert: Convert | None = None) -> None:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
@@ -200,16 +201,17 @@ class WeightSync:
                     self._check_layouts(BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes))  # the base's
                     self._check_adapter(adapter, plan)
                     self._send_base(model, base)
-                ranks.from_leader(("ready", (plan, owners)))
+                delta = keeps_baseline(cfg, self._packer, self._members)
+                ranks.from_leader(("ready", (plan, owners, delta)))
             else:
                 if adapter is not None:
                     assert base is not None
                     self._send_base(model, base)
-                (_, (plan, owners)) = self._follower.until("ready")
+                (_, (plan, owners, delta)) = self._follower.until("ready")
             self.plan, self._connected = plan, True
             if adapter is not None:
                 self._start_loads(adapter)
-            self._allocate(plan, named, owners)
+            self._allocate(plan, named, owners, delta)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
                 self._tell_followers(("failed", f"{type(e).__name__}: {e}"))
@@ -389,9 +391,10 @@ class WeightSync:
                  pool: SegmentPool | None = None, layout: WeightLayout | None = None,
                  delta: bool = False) -> tuple[Any, Any]:
         """Factories of this rank's blocking ring and of one async snapshot (``snapshot``: device or
-        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory;
-        with ``delta``, a whole-version set that is the delta baseline) of ``plan`` in ``layout``
-        (default: the versions')."""
+        host; with a ``pool``, a version-sized snapshot in its shared memory, which is host memory)
+        of ``plan`` in ``layout`` (default: the versions'). With ``delta``, the snapshot is or keeps
+        the delta baseline (a device snapshot), and so does a sharded trainer's ring (a single
+        process keeps blocking mode's baseline beside its ring: ``_allocate``)."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self._packer
         assert runtime is not None and packer is not None
         if ranks.world > 1 or (snapshot == "host" and pool is None):
@@ -400,21 +403,25 @@ class WeightSync:
             assembled = plan if not converts else SourcePlan(tuple(weights.source_bucket(b) for b in plan.buckets))
             layout = ShardLayout.of(assembled, sources(named), ranks.world, owners)
             conversion = weights.conversion if converts else None
-            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion),
-                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion))
+            # A sharded rank's baseline (its owned buckets) is on the weights' device: not with a host
+            # snapshot, which is there to keep device memory free (nor for a single process's).
+            encoder = packer if delta and ranks.world > 1 else None
+            return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion, encoder),
+                    lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion,
+                                           encoder if snapshot == "device" else None))
         return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
                 lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool, delta and pool is None))
 
-    def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int]) -> None:
-        """The buffers of this rank (a ring blocking, a snapshot async) and, async, the worker."""
+    def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], delta: bool) -> None:
+        """The buffers of this rank (a ring blocking, a snapshot async; ``delta``: with the delta
+        baseline) and, async, the worker."""
         self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
         assert self._packer is not None
-        delta = keeps_baseline(self.config, self._packer, self.ranks.world, self._members)
         ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool, delta=delta)
         if not self.is_async:
             self._ring = ring()
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
-            if delta:  # the baseline, beside the ring (trainer/delta.py)
+            if delta and self.ranks.world == 1:  # the baseline, beside the ring (trainer/delta.py)
                 self._baseline = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, delta=True)
             return
         if self.ranks.leader:
@@ -494,7 +501,11 @@ class WeightSync:
         assert self._ring is not None and self.plan is not None
         named = self._reader.read(model).tensors()
         result = SyncResult(version, self.plan.total_bytes, len(self.plan.buckets))
-        source, packed_s = self._blocking_source(named, result)  # raises before anything is sent
+        try:
+            source, packed_s = self._blocking_source(named, result)  # raises before anything is sent
+        except TrainerRankLost as e:  # a sharded trainer's ranks encode together
+            self._lost = str(e)
+            raise
         self._last_version = version
         self.metrics.count("published")
         try:
@@ -554,11 +565,17 @@ class WeightSync:
                 result.started = t0 = time.perf_counter()
                 self._shared.pack_all(named)
                 return self._shared.packed(), time.perf_counter() - t0
-        if self._baseline is not None and self._ahead.ahead():
+        encodes = self._baseline is not None or self._ring.delta  # a sharded ring keeps the baseline itself
+        if encodes and self.ranks.from_leader(self._ahead.ahead() if self.ranks.leader else None):  # every rank alike
             result.started = t0 = time.perf_counter()
-            self._baseline.pack_all(named, result.version)  # encoded against the last version packed into it
-            self._ahead.encoded(self._baseline)
-            return self._baseline.packed(), time.perf_counter() - t0
+            source: Prepacked | Encoded
+            if self._baseline is not None:
+                self._baseline.pack_all(named, result.version)  # encoded against the last version packed into it
+                source = self._baseline.packed()
+            else:
+                source = self._ring.encoding(named, result.version)  # a sharded trainer's owners encode theirs
+            self._ahead.encoded(self.plan, source.delta_nbytes())
+            return source, time.perf_counter() - t0
         return self._ring.packing(named), 0.0
 
     # -- versions and staleness -----------------------------------------------------------------

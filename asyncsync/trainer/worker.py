@@ -115,9 +115,10 @@ class SyncWorker:
         return sum(s.buffers.nbytes for s in self._sets)
 
     @property
-    def encodes_deltas(self) -> bool:
-        """The snapshots are the delta baseline: each version is encoded against the one before it."""
-        return any(getattr(s.buffers, "delta", False) for s in self._sets)
+    def baseline_nbytes(self) -> int:
+        """Bytes of the snapshots' buffers that are the delta baseline (each version is encoded
+        against the one before it): the snapshots themselves, or a sharded rank's owned buckets."""
+        return sum(s.buffers.baseline_nbytes for s in self._sets)
 
     @property
     def host_nbytes(self) -> int:
@@ -312,7 +313,10 @@ class SyncWorker:
                 result = SyncResult(
                     snap.version, self.plan.total_bytes, len(self.plan.buckets), snapshot_s=snap.snapshot_s, started=snap.started
                 )
-                result = send(snap.version, snap.buffers.packed(), result)
+                t0 = time.perf_counter()
+                source = snap.buffers.packed()  # a sharded trainer's ranks encode their deltas here, together
+                result.pack_s = time.perf_counter() - t0
+                result = send(snap.version, source, result)
                 self.metrics.record(result)
                 if first:  # count a version once, however many senders carry it
                     self.metrics.count("sent" if result.server_versions else "failed")

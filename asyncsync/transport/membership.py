@@ -161,10 +161,8 @@ class Membership:
     def takes_deltas(self) -> bool:
         """Whether a version may go to these members as deltas at all (``transport.send.delta_for``
         then asks which version each holds): one broadcast reaches every member of a group, so every
-        member must rebuild deltas and receive over the data plane (none on shared memory), from a
-        single trainer process (a sharded trainer's owners assemble buckets as they are sent)."""
-        return (not self.shared and self.ranks.world == 1 and bool(self.members)
-                and all(e.protocol.deltas for e in self.members))
+        member must rebuild deltas and receive over the data plane (none on shared memory)."""
+        return not self.shared and bool(self.members) and all(e.protocol.deltas for e in self.members)
 
     def reachable(self) -> bool:
         """Whether a later version can still reach a server: some member does not refuse this plan."""

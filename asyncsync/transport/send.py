@@ -57,9 +57,11 @@ class BucketSource(Protocol):
     rank: only the owner asks for ``bucket`` (which receives the other ranks' pieces), every other
     rank calls ``contribute(bucket)`` (sends its pieces to the owner) at the same point instead.
 
-    A source packed over a delta baseline (``trainer.buffers.Prepacked``) also has ``delta_base``,
-    the version its buckets were encoded against (None: not encoded), and ``delta(bucket)``, the
-    bucket's ``packing.delta.Delta`` (``delta_for`` decides who gets them)."""
+    A source packed over a delta baseline (``trainer.buffers.Prepacked``, a sharded trainer's
+    ``trainer.shards.Encoded``) also has ``delta_base``, the version its buckets were encoded
+    against (None: not encoded), ``delta(bucket)``, the bucket's ``packing.delta.Delta`` (asked for
+    by the bucket's owner only), and ``delta_nbytes()``, every bucket's delta size (0: whole; None
+    where none was encoded; rank 0 has them all). ``delta_for`` decides who gets them."""
 
     def reuses(self, bucket: Bucket) -> int | None: ...
 
@@ -108,7 +110,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
         engines = [e for e in engines if e.url not in skipped]
     frames = VersionFrames.of(request)  # every bucket's frame header to asyncsync's receivers carries it
-    ranks.from_leader(("version", VersionPlan(version, deadlines, frames)))
+    ranks.from_leader(("version", VersionPlan(version, deadlines, frames, delta)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -243,13 +245,14 @@ def delta_for(members: Membership, plan: BucketPlan, source: BucketSource) -> De
     whole anyway: a new, restarted or readmitted server, one that missed or refused a version, a
     version packed without a baseline, servers on shared memory (nothing crosses a wire)."""
     base = getattr(source, "delta_base", None)
+
     if base is None or members.group is None or not members.takes_deltas():
         return None
     if not all(members.baselines.get(e.url) == base for e in members.members):
         return None
-    payloads = [source.delta(b) for b in plan.buckets]  # type: ignore[attr-defined]
-    nbytes = tuple(0 if d is None or (p := d.payload()) is None else p.numel() for d in payloads)
-    return DeltaVersion(base, nbytes) if any(nbytes) else None
+    nbytes = source.delta_nbytes()  # type: ignore[attr-defined]
+
+    return DeltaVersion(base, nbytes) if nbytes is not None and any(nbytes) else None
 
 
 def shared_requests(members: Membership, request: UpdateRequest, plan: BucketPlan, source: BucketSource,
@@ -315,6 +318,7 @@ class VersionPlan:
     version: int
     deadlines: tuple[float, ...]  # per bucket, as sent to the servers
     frames: VersionFrames         # what each bucket's frame header carries
+    delta: DeltaVersion | None    # which buckets go as deltas (their owners broadcast those)
 
 
 def owner_of(source: BucketSource, bucket: Bucket) -> int:
@@ -332,7 +336,8 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
     (_, announced) = follower.until("version")
     failed: PackFailed | None = None
     if announced is not None and follower.group is not None:
-        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames, None)
+        broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames, None,
+                                  delta=announced.delta)
         ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
@@ -417,12 +422,12 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         t0 = time.perf_counter()
         buf = None
         try:
-            if delta is not None and delta.nbytes[i]:
-                buf = source.delta(bucket).payload()  # type: ignore[attr-defined]
-            elif mine:
-                buf = source.bucket(bucket)  # a sharded trainer's owner receives the other ranks' pieces here
-            else:
+            if not mine:
                 source.contribute(bucket)  # type: ignore[attr-defined]
+            elif delta is not None and delta.nbytes[i]:
+                buf = source.delta(bucket).payload()  # type: ignore[attr-defined]
+            else:
+                buf = source.bucket(bucket)  # a sharded trainer's owner receives the other ranks' pieces here
         except UnpackableTensor as e:
             log.error("version abandoned: bucket %d could not be packed: %s", i, e)
             if not sharded:

@@ -27,13 +27,20 @@ def answers(url: str) -> bool:
         return False
 
 
+def default_ctrl_c() -> None:
+    """In the child, before it runs: a process started from a shell's background job inherits
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler; a terminal's Ctrl-C
+    reaches the example with the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_examples_vllm_server(tmp_path):
     pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
     pytest.importorskip("trl", reason="TRL is not installed here: run scripts/test_vllm.sh (the trl extra)")
     log = tmp_path / "example.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--steps", "200"], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=default_ctrl_c)
     url = None
     try:
         deadline = time.monotonic() + 400

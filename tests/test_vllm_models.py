@@ -158,8 +158,9 @@ def test_deepseek_v3_is_refused_at_connect_rather_than_served_wrong(tmp_path_fac
 
 
 def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any]:
-    """A rank of a 2-rank FSDP2 trainer of the Qwen2-MoE: blocking, then async versions; rank 0
-    checks vLLM's tokens against the unsharded model's own greedy decode."""
+    """A rank of a 2-rank FSDP2 trainer of the Qwen2-MoE: blocking, then async, two versions each (a
+    dense change, then a sparse one that goes as deltas from each bucket's owner); rank 0 checks
+    vLLM's tokens against the unsharded model's own greedy decode, and which versions were deltas."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -175,20 +176,26 @@ def fsdp_ranks(rank: int, world: int, url: str, model_dir: str) -> dict[str, Any
     for async_mode in (False, True):
         with WeightSync.from_config(config(url, async_weight_update=async_mode)) as sync:
             sync.connect(model)
-            version += 1
-            sync.wait_snapshot()
-            g = torch.Generator().manual_seed(version)  # the same draw on each rank
-            with torch.no_grad():
-                for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-                    noise = torch.randn(r.shape, generator=g) * 0.3
-                    r.add_(noise)
-                    p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
-            sync.publish(model, version)
+            for sparse in (False, True):
+                version += 1
+                sync.wait_snapshot()
+                g = torch.Generator().manual_seed(version)  # the same draw on each rank
+                with torch.no_grad():
+                    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+                        noise = torch.randn(r.shape, generator=g) * 0.3
+                        if sparse:
+                            noise.view(-1)[torch.arange(noise.numel()) % 97 != 0] = 0
+                        r.add_(noise)
+                        p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
+                sync.publish(model, version)
+                if rank == 0 and not sparse:  # the sparse version's baseline: the version the server committed
+                    assert sync.wait_for_fresh_servers(version + sync.config.max_staleness, timeout=300)
+        deltas = [r.delta_base is not None for r in sync.metrics.history]  # after close() drained the last
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
         assert all(torch.equal(full[n], p) for n, p in reference.named_parameters()), "the two trainers agree"
         if rank == 0:
             tokens, served = served_tokens(url)
-            out[f"async={async_mode}"] = (served == version, tokens == generate(reference, PROMPT, 16)[0])
+            out[f"async={async_mode}"] = (served == version, tokens == generate(reference, PROMPT, 16)[0], deltas)
     return out
 
 
@@ -204,7 +211,7 @@ def test_a_sharded_fsdp2_trainer_sends_the_checkpoint_layout(moe_server):
     sys.path.insert(0, os.path.dirname(__file__))
     first, second = run_local_ranks(fsdp_ranks, 2, (server.url, str(model_dir)), timeout_s=900)
     assert first.error is None and second.error is None, first.error or second.error
-    assert first.value == {"async=False": (True, True), "async=True": (True, True)}, first.value
+    assert first.value == {"async=False": (True, True, [False, True]), "async=True": (True, True, [False, True])}, first.value
 
 
 def noisy_perturb(params: Any, seed: int) -> None:

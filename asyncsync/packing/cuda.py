@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,18 +136,32 @@ class CudaPackBackend(PackBackend):
 class CudaDelta(Delta):
     """A bucket's delta on the device: planned by ``pack_delta``'s kernels, sized and written at the
     first ``payload()`` (on the calling thread's current stream, which must be ordered after the
-    pack: a sender's, after the snapshot's ``done``). That call waits for the plans (a host sync)."""
+    pack: a sender's, after the snapshot's ``done``). That call waits for the plans (a host sync).
+    Several senders may read one snapshot (``group_per_server``): the first writes the delta under
+    the lock and records an event; a later one's stream waits for that event before it reads."""
 
     def __init__(self, lib: ctypes.CDLL, mask: torch.Tensor, plans: torch.Tensor, base: torch.Tensor, word: int,
                  limit: int):
         super().__init__(None, -1)
         self._lib, self._mask, self._plans, self._base, self._word, self._limit = lib, mask, plans, base, word, limit
         self._done = False
+        self._lock = threading.Lock()
+        self._written: torch.cuda.Event | None = None  # after the write kernel, on the first reader's stream
 
     def payload(self) -> torch.Tensor | None:
-        if self._done:
+        with self._lock:
+            if not self._done:
+                self.encoded = self._write()
+                self._done = True
+            elif self.encoded is not None:
+                assert self._written is not None
+                stream = torch.cuda.current_stream(self._base.device)
+                stream.wait_event(self._written)  # written on another sender's stream
+                self.encoded.record_stream(stream)
             return self.encoded
-        self._done = True
+
+    def _write(self) -> torch.Tensor | None:
+        """Size and write the delta on this thread's current stream; None where it does not pay."""
         device = self._base.device
         stream = torch.cuda.current_stream(device)
         for t in (self._mask, self._plans, self._base):
@@ -165,7 +180,8 @@ class CudaDelta(Delta):
                                                        self._word, out.data_ptr(), stream.cuda_stream)
         if err:
             raise RuntimeError(f"asyncsync_delta_write_cuda failed: {self._lib.asyncsync_cuda_error_string(err).decode()}")
-        self.encoded = out
+        self._written = torch.cuda.Event()
+        self._written.record(stream)
         return out
 
 

@@ -168,6 +168,47 @@ def sparse_deltas(rank: int, urls: list[str], trainer: Trainer, first: int, vers
     return dict(results=results, baseline_bytes=sync.metrics.baseline_bytes, model_bytes=sync.plan.total_bytes)
 
 
+def encode_fails(rank: int, urls: list[str], trainer: Trainer, first: int) -> dict[str, Any]:
+    """Blocking, ``delta: auto``: rank 1's encode of the second version fails (a device out of memory,
+    injected) after the exchange; the version is abandoned on every rank, the servers keep the first
+    (checked), and the third is served bit for bit. Returns what each publish raised, and rank 0's
+    (version, delta base) of the versions sent."""
+    from asyncsync.trainer.shards import OwnedBaseline
+    from asyncsync.trainer.sync import WeightSync
+
+    sync = WeightSync(sync_config(urls, async_weight_update=False, delta="auto"))
+    sync.connect(trainer.model)
+    raised, sent = [], []
+    pack = OwnedBaseline.pack
+    try:
+        for v in range(first, first + 3):
+            sync.wait_snapshot()
+            nudge(trainer.model, v)
+            before, full = (full if v > first else None), trainer.full()
+            if v == first + 1 and rank == 1:
+                def out_of_memory(self: OwnedBaseline, *args: Any, **kwargs: Any) -> int:
+                    OwnedBaseline.pack = pack  # type: ignore[method-assign]
+                    raise RuntimeError("CUDA out of memory (injected)")
+
+                OwnedBaseline.pack = out_of_memory  # type: ignore[method-assign]
+            try:
+                result = sync.publish(trainer.model, v)
+            except Exception as e:
+                raised.append((v, f"{type(e).__name__}: {e}"))
+                if rank == 0:
+                    check_served(urls, v - 1, before)  # nothing of the abandoned version was applied
+                continue
+            assert result is not None and result.failures == {}, result
+            if rank == 0:
+                sent.append((v, result.delta_base))
+                check_served(urls, v, full)
+    finally:
+        OwnedBaseline.pack = pack  # type: ignore[method-assign]
+        sync.close()
+    assert sync.errors == [], sync.errors
+    return dict(raised=raised, sent=sent)
+
+
 def mesh_2d(rank: int, world: int, urls: list[str], version: int) -> dict[str, Any]:
     """A mapping of DTensors on a 2-D mesh: matrices ``Shard(0)`` on one dim and ``Replicate`` on the
     other, every second one ``Shard(1)``, vectors replicated: the servers get the whole tensors."""
@@ -260,6 +301,8 @@ def run_scenarios(rank: int, world: int, urls: list[str], scenarios: list[tuple[
             out[kw["label"]] = train_and_sync(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
         elif name == "sparse":
             out[kw["label"]] = sparse_deltas(rank, urls, trainer, **{k: v for k, v in kw.items() if k != "label"})
+        elif name == "encode_fails":
+            out[name] = encode_fails(rank, urls, trainer, kw["first"])
         elif name == "mesh_2d":
             out[name] = mesh_2d(rank, world, urls, kw["version"])
         elif name == "rank_exits":

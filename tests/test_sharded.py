@@ -97,6 +97,19 @@ def test_each_owner_sends_deltas_of_its_buckets_and_servers_get_the_unsharded_mo
         assert all(0 < b < 0.75 * model for b in baselines) and sum(baselines) == model, baselines
 
 
+def test_an_owner_whose_encode_fails_abandons_the_version_on_every_rank_and_the_next_goes_whole(moe_servers):
+    """A rank's delta encode fails after the pieces were exchanged (out of device memory): every
+    rank's publish raises, naming it, no server applies any of that version, and the next version
+    is sent whole (the failed rank has no baseline) and served bit for bit (``encode_fails``)."""
+    urls = [s.url for s in moe_servers]
+    first = 40
+    ranks = reports(run_ranks(urls, [("encode_fails", dict(first=first))]))
+    for rank, report in enumerate(ranks):
+        [(version, error)] = report["encode_fails"]["raised"]
+        assert version == first + 1 and "CUDA out of memory (injected)" in error, (rank, error)
+    assert ranks[0]["encode_fails"]["sent"] == [(first, None), (first + 2, None)]
+
+
 @pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
 def test_a_rank_that_dies_mid_sync_ends_in_a_clear_error_and_servers_keep_the_last_version(async_mode):
     from asyncsync.models import build_model

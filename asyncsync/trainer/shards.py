@@ -288,7 +288,11 @@ class ShardedBuffers:
             bucket = self.plan.buckets[shards.bucket.index]
             try:
                 if shards.owner == self.rank:
-                    sizes[bucket.index] = baseline.pack(bucket, live.bucket(bucket), encode=base is not None)
+                    assembled = live.bucket(bucket)  # the pieces are exchanged: what fails next is this rank's alone
+                    try:
+                        sizes[bucket.index] = baseline.pack(bucket, assembled, encode=base is not None)
+                    except (RuntimeError, ValueError, MemoryError) as e:  # out of device memory, a kernel error
+                        raise UnpackableTensor(f"encoding bucket {bucket.index} failed: {type(e).__name__}: {e}") from e
                 else:
                     live.contribute(bucket)
             except UnpackableTensor as e:
@@ -454,6 +458,7 @@ class Encoded:
         return self.baseline.crcs.get(bucket.index) if self.buffers.checksum else None
 
     def delta(self, bucket: Bucket) -> Delta | None:
+        self._check(bucket)
         return self.baseline.deltas.get(bucket.index)
 
     def delta_nbytes(self) -> tuple[int, ...] | None:

@@ -417,6 +417,8 @@ class WeightSync:
         baseline) and, async, the worker."""
         self._pool = shared_pool(self._members, plan)  # same-host servers (a single trainer process only)
         assert self._packer is not None
+        if self.ranks.world > 1:  # every rank's own backend must encode (each picked its own: one may have fallen back)
+            delta = self.ranks.all_agree(delta and self._packer.encodes_deltas, "send")
         ring, snapshot = self._buffers(plan, named, owners, self.config.snapshot, self._pool, delta=delta)
         if not self.is_async:
             self._ring = ring()
@@ -566,7 +568,7 @@ class WeightSync:
                 self._shared.pack_all(named)
                 return self._shared.packed(), time.perf_counter() - t0
         encodes = self._baseline is not None or self._ring.delta  # a sharded ring keeps the baseline itself
-        if encodes and self.ranks.from_leader(self._ahead.ahead() if self.ranks.leader else None):  # every rank alike
+        if encodes and self._encode_ahead():
             result.started = t0 = time.perf_counter()
             source: Prepacked | Encoded
             if self._baseline is not None:
@@ -577,6 +579,14 @@ class WeightSync:
             self._ahead.encoded(self.plan, source.delta_nbytes())
             return source, time.perf_counter() - t0
         return self._ring.packing(named), 0.0
+
+    def _encode_ahead(self) -> bool:
+        """Blocking mode: whether this version is encoded ahead (``EncodeAhead``): rank 0 decides,
+        and a sharded trainer's other ranks hear it from rank 0, so every rank packs alike."""
+        if self.ranks.leader:
+            return self.ranks.from_leader(("ahead", self._ahead.ahead()))[1]
+        assert self._follower is not None
+        return self._follower.until("ahead")[1]
 
     # -- versions and staleness -----------------------------------------------------------------
 

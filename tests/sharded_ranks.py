@@ -173,24 +173,24 @@ def encode_fails(rank: int, urls: list[str], trainer: Trainer, first: int) -> di
     injected) after the exchange; the version is abandoned on every rank, the servers keep the first
     (checked), and the third is served bit for bit. Returns what each publish raised, and rank 0's
     (version, delta base) of the versions sent."""
-    from asyncsync.trainer.shards import OwnedBaseline
+    from asyncsync.packing.native import CppPackBackend
     from asyncsync.trainer.sync import WeightSync
 
     sync = WeightSync(sync_config(urls, async_weight_update=False, delta="auto"))
     sync.connect(trainer.model)
     raised, sent = [], []
-    pack = OwnedBaseline.pack
+    pack_delta = CppPackBackend.pack_delta
     try:
         for v in range(first, first + 3):
             sync.wait_snapshot()
             nudge(trainer.model, v)
             before, full = (full if v > first else None), trainer.full()
             if v == first + 1 and rank == 1:
-                def out_of_memory(self: OwnedBaseline, *args: Any, **kwargs: Any) -> int:
-                    OwnedBaseline.pack = pack  # type: ignore[method-assign]
+                def out_of_memory(self: CppPackBackend, *args: Any, **kwargs: Any) -> Any:
+                    CppPackBackend.pack_delta = pack_delta  # type: ignore[method-assign]
                     raise RuntimeError("CUDA out of memory (injected)")
 
-                OwnedBaseline.pack = out_of_memory  # type: ignore[method-assign]
+                CppPackBackend.pack_delta = out_of_memory  # type: ignore[method-assign]
             try:
                 result = sync.publish(trainer.model, v)
             except Exception as e:
@@ -203,7 +203,7 @@ def encode_fails(rank: int, urls: list[str], trainer: Trainer, first: int) -> di
                 sent.append((v, result.delta_base))
                 check_served(urls, v, full)
     finally:
-        OwnedBaseline.pack = pack  # type: ignore[method-assign]
+        CppPackBackend.pack_delta = pack_delta  # type: ignore[method-assign]
         sync.close()
     assert sync.errors == [], sync.errors
     return dict(raised=raised, sent=sent)

@@ -26,7 +26,7 @@ the caller until the version is sent, so the weights cannot change under the bro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -64,10 +64,14 @@ class PackedBuffers:
     ``delta`` (``slots=None``, no pool): the buffers are the baseline of delta versions. ``pack_all``
     packs each version over the last one and encodes what changed on the way (``packing.delta``);
     ``version`` is the version whose bytes they hold, ``delta_base`` the one the deltas of the last
-    ``pack_all`` are against (None: none was encoded)."""
+    ``pack_all`` are against (None: none was encoded).
+
+    ``buckets`` (``slots=None``): only these buckets of ``plan`` have buffers, each packed on its own
+    with ``pack`` (a sharded trainer's rank: the buckets it owns, ``trainer.shards``)."""
 
     def __init__(self, plan: BucketPlan, device: torch.device, packer: PackBackend, checksum: bool,
-                 slots: int | None = None, pool: SegmentPool | None = None, delta: bool = False):
+                 slots: int | None = None, pool: SegmentPool | None = None, delta: bool = False,
+                 buckets: Sequence[Bucket] | None = None):
         if slots is not None and slots < 1:
             raise ValueError(f"a ring needs at least one buffer, got slots={slots}")
         if pool is not None and (slots is not None or device.type != "cpu"):
@@ -83,9 +87,12 @@ class PackedBuffers:
         self.plan, self.packer, self.checksum, self.slots, self.device = plan, packer, checksum, slots, device
         self._slot: dict[int, int] = {}      # bucket index -> buffer index
         self._reuses: dict[int, int] = {}    # bucket index -> the bucket that used its buffer last
+        if buckets is not None and slots is not None:
+            raise ValueError("a ring's buffers are shared by every bucket of the plan")
+        self.buckets = tuple(plan.buckets if buckets is None else buckets)
         if slots is None:
-            self._slot = {b.index: b.index for b in plan.buckets}
-            sizes = [b.nbytes for b in plan.buckets]
+            self._slot = {b.index: n for n, b in enumerate(self.buckets)}
+            sizes = [b.nbytes for b in self.buckets]
         else:
             packed = [b for b in plan.buckets if not self.direct(b)]
             for n, b in enumerate(packed):
@@ -154,7 +161,7 @@ class PackedBuffers:
             self.deltas = [None] * len(self.buffers)
         base = self.version if self.delta else None
         self.version = self.delta_base = None
-        for bucket in self.plan.buckets:
+        for bucket in self.buckets:
             self.pack(bucket, named, encode=base is not None)
         self.version, self.delta_base = version, base
 
@@ -166,10 +173,14 @@ class PackedBuffers:
         """What the last ``pack_all`` encoded of ``bucket`` (None: not encoded)."""
         return self.deltas[self._slot[bucket.index]]
 
+    def delta_size(self, bucket: Bucket) -> int:
+        """The size of ``bucket``'s last delta (0: not encoded, or it goes whole)."""
+        d = self.delta_of(bucket)
+        return 0 if d is None or (p := d.payload()) is None else p.numel()
+
     def delta_nbytes(self) -> tuple[int, ...]:
         """The size of each bucket's delta from the last ``pack_all`` (0: it goes whole)."""
-        return tuple(0 if d is None or (p := d.payload()) is None else p.numel()
-                     for d in (self.delta_of(b) for b in self.plan.buckets))
+        return tuple(self.delta_size(b) for b in self.buckets)
 
     def packed(self) -> Prepacked:
         """A source for ``send_version`` over what ``pack_all`` wrote."""

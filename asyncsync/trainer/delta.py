@@ -2,7 +2,7 @@
 
 The baseline is the whole-version buffers a version is packed into (``PackedBuffers(delta=True)``):
 async mode's snapshot itself, or in blocking mode one more set beside the ring. A sharded trainer's
-rank keeps the buckets it owns (``trainer.shards.OwnedBaseline``), encoded when the version is sent.
+rank keeps the buckets it owns (``ShardedBuffers.baseline``), encoded when the version is sent.
 Which server gets a delta of a version is decided when it is sent (``transport.send``): only one
 that committed exactly the version those buffers held before.
 """

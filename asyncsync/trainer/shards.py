@@ -27,11 +27,11 @@ import torch
 
 from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
-from asyncsync.packing.delta import Delta, limit
+from asyncsync.packing.delta import Delta
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.checkpoint import Conversion
-from asyncsync.protocol.delta import delta_word
 from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view, unpack
+from asyncsync.trainer.buffers import PackedBuffers
 from asyncsync.trainer.layout import LayoutView
 from asyncsync.trainer.source import check_layout, local_part
 
@@ -186,8 +186,9 @@ class ShardedBuffers:
       bucket waits for the previous one's broadcast: ``reuses``).
 
     * ``baseline`` (``delta: auto``, a ``packer`` that encodes deltas): the buckets this rank owns,
-      as the last version sent held them: the baseline each next version's owned buckets are encoded
-      against (``OwnedBaseline``), about the model's bytes over the number of ranks.
+      as the last version sent held them (``PackedBuffers(delta=True)`` over those buckets): the
+      baseline each next version's owned buckets are encoded against, about the model's bytes over
+      the number of ranks.
 
     So a rank holds its own shards once (async) and two buckets at most on the device, plus its owned
     buckets with deltas: never the model. ``nbytes`` is what lives on the weights' device,
@@ -222,8 +223,8 @@ class ShardedBuffers:
         self.converted = torch.empty(max((plan.buckets[b.bucket.index].nbytes for b in owned), default=0) if conversion
                                      else 0, dtype=torch.uint8, device=device)
         self._last_owned = {after.bucket.index: before.bucket.index for before, after in zip(owned, owned[1:])}
-        self.baseline = OwnedBaseline([plan.buckets[b.bucket.index] for b in owned], packer, device) if packer else None
-        self.delta = self.baseline is not None
+        self.baseline = (PackedBuffers(plan, device, packer, True, delta=True,
+                                       buckets=[plan.buckets[b.bucket.index] for b in owned]) if packer else None)
         self.version: int | None = None  # the version ``pack_all`` last packed
 
     @property
@@ -232,6 +233,11 @@ class ShardedBuffers:
         snapshot and the delta baseline."""
         device = self.scratch.numel() + self.slot.numel() + self.converted.numel() + self.baseline_nbytes
         return device + (self.snapshot.numel() if self.snapshot is not None and not self.host_snapshot else 0)
+
+    @property
+    def delta(self) -> bool:
+        """These buffers keep a delta baseline (blocking mode then encodes ahead: ``encoding``)."""
+        return self.baseline is not None
 
     @property
     def baseline_nbytes(self) -> int:
@@ -276,7 +282,7 @@ class ShardedBuffers:
     def encode(self, live: ShardedSource, version: int | None) -> Encoded:
         """Every rank, together, before the version's update request: each bucket's pieces go to its
         owner as ``send_version`` would send them, and the owner packs the assembled bucket over its
-        baseline, encoding what changed (``OwnedBaseline``); then rank 0 gathers every bucket's delta
+        baseline, encoding what changed (``PackedBuffers.pack``); then rank 0 gathers every bucket's delta
         size, which the request must name. A bucket a rank could not pack keeps the exchange paired
         and is raised again when the version is sent (it is abandoned). Sends nothing to a server."""
         assert self.baseline is not None
@@ -290,9 +296,10 @@ class ShardedBuffers:
                 if shards.owner == self.rank:
                     assembled = live.bucket(bucket)  # the pieces are exchanged: what fails next is this rank's alone
                     try:
-                        sizes[bucket.index] = baseline.pack(bucket, assembled, encode=base is not None)
-                    except (RuntimeError, ValueError, MemoryError) as e:  # out of device memory, a kernel error
+                        baseline.pack(bucket, dict(unpack(assembled, bucket)), encode=base is not None)
+                    except (RuntimeError, MemoryError) as e:  # out of device memory, a kernel error
                         raise UnpackableTensor(f"encoding bucket {bucket.index} failed: {type(e).__name__}: {e}") from e
+                    sizes[bucket.index] = baseline.delta_size(bucket)
                 else:
                     live.contribute(bucket)
             except UnpackableTensor as e:
@@ -393,37 +400,6 @@ def convert_bucket(conversion: Conversion, assembled: Bucket, buf: torch.Tensor,
     return out
 
 
-class OwnedBaseline:
-    """The delta baseline of a sharded trainer's rank: a buffer per bucket it owns, holding that
-    bucket as the last version encoded left it (``version``; None while none is whole). ``pack``
-    writes a newly assembled bucket over it with ``PackBackend.pack_delta``, which finds what
-    changed in the same pass (``packing/delta.py``), or packs it plainly when there is no baseline."""
-
-    def __init__(self, buckets: list[Bucket], packer: PackBackend, device: torch.device):
-        self.packer = packer
-        self.version: int | None = None
-        self.buffers = {b.index: torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in buckets}
-        self.crcs: dict[int, int | torch.Tensor] = {}
-        self.deltas: dict[int, Delta | None] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers.values())
-
-    def pack(self, bucket: Bucket, assembled: torch.Tensor, encode: bool) -> int:
-        """``bucket``'s new bytes over the baseline; returns the delta's size (0: it goes whole)."""
-        out = self.buffers[bucket.index]
-        self.deltas[bucket.index] = None
-        if not encode:
-            self.crcs[bucket.index] = self.packer.pack([assembled], [0], out, True)
-            return 0
-        self.crcs[bucket.index], delta = self.packer.pack_delta([assembled], [0], out, delta_word(bucket),
-                                                                limit(bucket.nbytes))
-        self.deltas[bucket.index] = delta
-        payload = delta.payload()
-        return 0 if payload is None else payload.numel()
-
-
 class Encoded:
     """A ``transport.send.BucketSource`` over a version ``ShardedBuffers.encode`` packed ahead: each
     owner's buckets are whole in its baseline (``delta_base``: the version they were encoded
@@ -452,14 +428,14 @@ class Encoded:
 
     def bucket(self, bucket: Bucket) -> torch.Tensor:
         self._check(bucket)
-        return self.baseline.buffers[bucket.index]
+        return self.baseline.get(bucket)[0]
 
     def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
-        return self.baseline.crcs.get(bucket.index) if self.buffers.checksum else None
+        return self.baseline.get(bucket)[1]
 
     def delta(self, bucket: Bucket) -> Delta | None:
         self._check(bucket)
-        return self.baseline.deltas.get(bucket.index)
+        return self.baseline.delta_of(bucket)
 
     def delta_nbytes(self) -> tuple[int, ...] | None:
         return self._nbytes if self.delta_base is not None else None

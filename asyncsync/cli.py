@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("asyncsync").info("serving on http://%s:%d (auth %s)", args.host, args.port, "on" if token else "off")
     lease = TRAINER_LEASE_S if args.trainer_lease_s is None else args.trainer_lease_s
     run_server(model, args.host, args.port, token, trainer_lease_s=lease, max_version_bytes=args.max_version_bytes,
-               layout=args.layout)
+               layout=args.layout, staging=args.staging)
     return 0
 
 
@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="the layout versions arrive in: checkpoint (what every engine loads: transformers' "
                             "checkpoint names, a MoE's experts one by one) or trainer (the model's own in-memory "
                             "names and layouts, for a trainer with layout: trainer; nothing is converted)")
+    serve.add_argument("--staging", choices=["device", "host"], default="device",
+                       help="where a version is held while it is received and verified: device (a second copy "
+                            "beside the live weights, swapped in: generation is held only for pointer moves) or "
+                            "host (one copy in host shared memory, copied into the live weights while generation "
+                            "is held); docs/engines/reference.md")
     serve.set_defaults(fn=cmd_serve)
 
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",

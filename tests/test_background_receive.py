@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncsync.protocol.arena import Arena
 from asyncsync.protocol.background import BACKGROUND_NICE, BackgroundReceive
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.device import HostRuntime, Runtime
@@ -70,7 +71,8 @@ def join(background: BackgroundReceive) -> DataPlaneGroup:
 
 @contextlib.contextmanager
 def connected(runtime: Runtime, verify: Callable[[Any], None] | None = None) -> Iterator[Link]:
-    stager = BucketStager({"w": TensorSpec.of("w", weights(0))}, "/init", runtime, arena=True)
+    spec = TensorSpec.of("w", weights(0))
+    stager = BucketStager({"w": spec}, "/init", runtime, arenas=(Arena.on_device(spec.nbytes, runtime.device),))
     background = BackgroundReceive(stager, verify)
     link = Link(join(background), background)
     try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.device import HostRuntime, Runtime
@@ -83,6 +84,11 @@ class _FlatSet:
     buffers: tuple[torch.Tensor, ...]
 
 
+def _within(tensor: torch.Tensor, arena: Arena) -> bool:
+    start = arena.tensor.data_ptr()
+    return start <= tensor.data_ptr() < start + max(arena.nbytes, 1)
+
+
 class BucketStager:
     """Receives buckets from a data-plane group into reusable flat buffers and checks them against
     the tensors the receiver expects (names, dtypes, shapes, every one exactly once).
@@ -97,6 +103,14 @@ class BucketStager:
         stager.mark_live(staged)                     # the live weights now alias the buffers, or:
         stager.mark_committed(staged)                # the receiver copied the version out (vLLM)
 
+    Where versions are staged (``protocol.arena``): in ``arenas``, whole-version buffers made once
+    and touched (``stage_in``): with one, every version is received into it (a receiver that copies
+    each version out: vLLM's worker, the reference server's ``host`` staging); with two, into the one
+    the live weights do not alias (the reference server's ``device`` staging swaps them). Without,
+    in buffer sets allocated per layout (a receiver serving straight from the mapping of a same-host
+    trainer's segment). An arena in host memory on a device runtime (NCCL) receives through a
+    ``DeviceRing`` of two bucket-sized device buffers.
+
     The committed version's bytes are the baseline of a delta version (``UpdateRequest.delta``):
     each delta bucket is rebuilt from them into the staging and checked against the full bucket's
     CRC32C. They stay intact where the live weights alias them (a set never received into); in an
@@ -104,7 +118,8 @@ class BucketStager:
     """
 
     def __init__(self, expected: Mapping[str, TensorSpec], join_route: str, runtime: Runtime | None = None,
-                 arena: bool = False, max_version_bytes: int | None = None, abandoner: Abandoner | None = None):
+                 arenas: Sequence[Arena] = (), max_version_bytes: int | None = None,
+                 abandoner: Abandoner | None = None):
         self.expected = dict(expected)
         self.join_route = join_route  # named in the error when an update arrives before the group
         # The staging budget: the most bytes one version may make this receiver allocate. A valid
@@ -116,11 +131,10 @@ class BucketStager:
         # Buffers are staged on the receiver's weights' device; its runtime also decides the group's
         # backend (an NCCL group is refused for weights that are not on CUDA).
         self.runtime = runtime or HostRuntime()
-        # With ``arena``, one flat buffer of a whole version is allocated now, at start-up, and every
-        # version is received into views of it (a receiver that copies a version out, like vLLM's,
-        # needs no second set): its memory is taken before an engine sizes its caches, not mid-run,
-        # and written once, so that an engine sizing them from resident memory (vLLM on CPU) sees it.
-        self.arena = torch.zeros(self.model_bytes, dtype=torch.uint8, device=self.runtime.device) if arena else None
+        self.arenas: tuple[Arena, ...] = ()
+        self._ring: DeviceRing | None = None
+        self._live_arena: Arena | None = None  # the arena the live weights alias (two-arena staging)
+        self.stage_in(arenas)
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
@@ -129,6 +143,20 @@ class BucketStager:
         self._partial: list[tuple[BucketMeta, torch.Tensor, Bucket]] = []
         self._partial_problems: list[str] = []
         self._committed: StagedVersion | None = None  # the baseline of delta versions, while intact
+
+    def stage_in(self, arenas: Sequence[Arena], live: Arena | None = None) -> None:
+        """Stage every later version in ``arenas`` (see the class); ``live``: one of them that the live
+        weights alias now (never received into until another version is live)."""
+        self.arenas, self._live_arena = tuple(arenas), live
+        host_arena = any(isinstance(a, HostArena) for a in self.arenas)
+        self._ring = DeviceRing(self.runtime.device) if host_arena and self.runtime.kind != "host" else None
+        self._sets = []
+
+    @property
+    def device_bytes(self) -> int:
+        """The staging's bytes on the weights' device: device arenas, and a ring's buffers."""
+        arenas = sum(a.nbytes for a in self.arenas if not isinstance(a, HostArena) and self.runtime.kind != "host")
+        return arenas + (self._ring.nbytes if self._ring is not None else 0)
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
         """Join the trainer's group (a sharded trainer's: one per owning trainer rank, in order) as
@@ -190,7 +218,11 @@ class BucketStager:
         # Deltas land in buffers of their own and are rebuilt into the target once they arrived.
         deltas = [torch.empty(k, dtype=torch.uint8, device=group.device) if k else None
                   for k in (req.delta.nbytes if req.delta is not None else [0] * n)]
-        payloads = [d if d is not None else buf for d, buf in zip(deltas, target.buffers)]
+        ring = self._ring
+        if ring is not None:
+            ring.reserve(max((m.nbytes for m in req.buckets), default=0))
+        payloads = [d if d is not None else ring.slot(i, buf.numel()) if ring is not None else buf
+                    for i, (d, buf) in enumerate(zip(deltas, target.buffers))]
         if req.checksum:
             payloads.append(torch.zeros(n, dtype=torch.int64, device=group.device))
         frames = VersionFrames.of(req)
@@ -211,13 +243,13 @@ class BucketStager:
                     header = self._post_header(req, i + 1)
                 if landing is not None:
                     landing[0].wait(landing[1])
-                    if req.checksum:  # on a device: computed there, read once at the end
-                        j = len(crcs)
-                        crcs.append(bucket_crc(payloads[j]) if deltas[j] is None
-                                    else self._rebuild(j, deltas[j], base, target.buffers[j], buckets[j], problems))
+                    self._landed(len(crcs), req.checksum, buckets, payloads, deltas, target, base, problems, crcs)
                 landing = (on, work)
             assert landing is not None
             landing[0].wait(landing[1])
+            if ring is not None:  # the last bucket too: the manifest is not one
+                self._landed(len(crcs), req.checksum, buckets, payloads, deltas, target, base, problems, crcs)
+                self.runtime.host_wait(self.runtime.record())  # the arena holds every byte before it is read
         except (_Unframed, DataPlaneError) as e:
             failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
         else:
@@ -242,6 +274,22 @@ class BucketStager:
         _reject_if(problems, req.version)
         return staged
 
+    def _landed(self, j: int, checksum: bool, buckets: tuple[Bucket, ...], payloads: list[torch.Tensor],
+                deltas: list[torch.Tensor | None], target: _FlatSet, base: StagedVersion | None, problems: list[str],
+                crcs: list[int | torch.Tensor | None]) -> None:
+        """Payload ``j`` has arrived (``j`` < the bucket count): checksum it (on a device: computed
+        there, read once at the end), rebuild it from its delta, or copy it from the ring to the arena."""
+        if j >= len(target.buffers):
+            return
+        delta = deltas[j]
+        if delta is not None:
+            crc = self._rebuild(j, delta, base, target.buffers[j], buckets[j], problems)
+        else:
+            crc = bucket_crc(payloads[j]) if checksum else None
+            if self._ring is not None:
+                self._ring.settle(payloads[j], target.buffers[j])
+        crcs.append(crc)
+
     def _rebuild(self, index: int, payload: torch.Tensor, base: StagedVersion | None, out: torch.Tensor,
                  bucket: Bucket, problems: list[str]) -> int | torch.Tensor | None:
         """Bucket ``index`` rebuilt into ``out`` from the committed version and its delta; its CRC32C,
@@ -249,7 +297,7 @@ class BucketStager:
         if base is None:
             return None
         try:
-            return rebuild(payload, base.buffers[index], out, delta_word(bucket))
+            return rebuild(payload.to(out.device), base.buffers[index], out, delta_word(bucket))
         except DeltaError as e:
             problems.append(f"bucket {index}'s delta does not decode: {e}")
             return None
@@ -306,7 +354,7 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: {e}") from None
         views = tuple(mapped[o : o + b.nbytes] for o, b in zip(shm.offsets, buckets))
         segment: str | None = shm.segment
-        if self.arena is not None:  # copied once, and the copy is what is verified (and later loaded)
+        if self.arenas:  # copied once, and the copy is what is verified (and later loaded)
             views, segment = self._set_for(req.buckets).buffers, None
             for dst, (o, b) in zip(views, zip(shm.offsets, buckets)):
                 dst.copy_(mapped[o : o + b.nbytes])
@@ -334,15 +382,13 @@ class BucketStager:
 
     def _set_for(self, layout: tuple[BucketMeta, ...]) -> _FlatSet:
         """A buffer set for ``layout`` that the live weights do not use; sets of stale layouts are dropped.
-        A set in the arena is received into over the committed version, which is then no baseline."""
-        if self.arena is not None:
-            self._committed = None
-        if self.arena is not None and sum(m.nbytes for m in layout) <= self.arena.numel():
-            views, offset = [], 0
-            for m in layout:
-                views.append(self.arena[offset : offset + m.nbytes])
-                offset += m.nbytes
-            return _FlatSet(layout, tuple(views))
+        A set in an arena is received into over what it held: a committed version there is then no baseline."""
+        free = next((a for a in self.arenas if a is not self._live_arena), None)
+        sizes = [m.nbytes for m in layout]
+        if free is not None and sum(sizes) <= free.nbytes:
+            if self._committed is not None and any(_within(b, free) for b in self._committed.buffers):
+                self._committed = None
+            return _FlatSet(layout, free.views(sizes))
         self._sets = [s for s in self._sets if s is self._live or s.layout == layout]
         for s in self._sets:
             if s is not self._live:
@@ -453,13 +499,17 @@ class BucketStager:
 
     def mark_live(self, staged: StagedVersion) -> None:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
+        self._committed = staged
         self._live_segment = staged.segment
         self._live = next((s for s in self._sets if s.buffers is staged.buffers), None)
-        self.mark_committed(staged)
+        self._live_arena = next((a for a in self.arenas if staged.buffers and _within(staged.buffers[0], a)), None)
 
     def mark_committed(self, staged: StagedVersion) -> None:
-        """``staged`` is the version the receiver now serves: its bytes are the next delta's baseline."""
+        """The receiver now serves ``staged`` from copies of it (vLLM's load, the reference server's
+        ``host`` staging): its live weights alias nothing staged, and ``staged``'s bytes are the next
+        delta's baseline while they stay intact."""
         self._committed = staged
+        self._live_segment, self._live, self._live_arena = None, None, None
 
     def close(self, broken: bool = False) -> None:
         """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""

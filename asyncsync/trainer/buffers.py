@@ -100,7 +100,8 @@ class PackedBuffers:
                 if n >= slots:
                     self._reuses[b.index] = packed[n - slots].index
             sizes = [max((b.nbytes for b in packed), default=0)] * min(slots, len(packed))
-        self.buffers = [] if pool is not None else [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        # Zeroed (every page written now), so the first versions are not slowed by page faults.
+        self.buffers = [] if pool is not None else [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
         self.crcs: list[Crc] = [None] * len(self.buffers)
         self.deltas: list[Delta | None] = [None] * len(self.buffers)
 

@@ -66,6 +66,7 @@ import torch
 from aiohttp import web
 
 from asyncsync.models import generate
+from asyncsync.protocol.arena import Staging
 from asyncsync.protocol.background import enter_background_thread
 from asyncsync.protocol.group import Abandoner, DataPlaneError
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
@@ -127,7 +128,7 @@ class ReferenceServer:
 
     def __init__(self, model: torch.nn.Module, token: str | None = None, faults: Faults = Faults(),
                  sglang_sessions: bool = True, trainer_lease_s: float = TRAINER_LEASE_S,
-                 max_version_bytes: int | None = None, layout: str = "checkpoint"):
+                 max_version_bytes: int | None = None, layout: str = "checkpoint", staging: Staging = "device"):
         self.model = model
         self.token = token
         self.faults = faults
@@ -138,7 +139,7 @@ class ReferenceServer:
         self.joins = Abandoner()
         self.receiver = WeightReceiver(distinct_tensors(model.state_dict(keep_vars=True)), self.serve_lock,
                                        model=model, max_version_bytes=max_version_bytes, abandoner=self.joins,
-                                       layout=layout)
+                                       layout=layout, staging=staging)
         self.adapters = ServedAdapters(model, self.receiver, self.serve_lock)
         # Data-plane work runs on one thread, which starts on the weights' device (per thread on CUDA)
         # at a lower CPU priority than generation (and so do the threads of the groups it creates).
@@ -435,8 +436,8 @@ def _error(status: int, message: str) -> web.Response:
 
 def run_server(model: torch.nn.Module, host: str, port: int, token: str | None = None, faults: Faults = Faults(),
                trainer_lease_s: float = TRAINER_LEASE_S, max_version_bytes: int | None = None,
-               layout: str = "checkpoint") -> None:
+               layout: str = "checkpoint", staging: Staging = "device") -> None:
     """Serve until interrupted (SIGINT/SIGTERM), on uvloop when installed."""
     app = ReferenceServer(model, token, faults, trainer_lease_s=trainer_lease_s, max_version_bytes=max_version_bytes,
-                          layout=layout).app()
+                          layout=layout, staging=staging).app()
     web.run_app(app, host=host, port=port, print=None, access_log=None, loop=new_event_loop())

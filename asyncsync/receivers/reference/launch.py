@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from asyncsync.protocol.arena import Staging
 from asyncsync.protocol.group import free_port
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.app import Faults
@@ -21,14 +22,14 @@ ModelFactory = Callable[..., torch.nn.Module]
 
 
 def _serve(factory: ModelFactory, factory_args: tuple[Any, ...], host: str, port: int, token: str | None,
-           faults: Faults, layout: str) -> None:
+           faults: Faults, layout: str, staging: Staging) -> None:
     import logging
 
     from asyncsync.receivers.reference.app import run_server
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    run_server(factory(*factory_args), host, port, token, faults, layout=layout)
+    run_server(factory(*factory_args), host, port, token, faults, layout=layout, staging=staging)
 
 
 class ServerProcess:
@@ -40,12 +41,13 @@ class ServerProcess:
 
     def __init__(self, factory: ModelFactory = build_model, factory_args: tuple[Any, ...] = (ModelConfig(),),
                  token: str | None = None, host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 faults: Faults = Faults(), port: int | None = None, layout: str = "checkpoint"):
+                 faults: Faults = Faults(), port: int | None = None, layout: str = "checkpoint",
+                 staging: Staging = "device"):
         self.host, self.port, self.token = host, port or free_port(host), token
         self.url = f"http://{host}:{self.port}"
         self._start_timeout_s = start_timeout_s
         self.process = mp.get_context("spawn").Process(
-            target=_serve, args=(factory, factory_args, host, self.port, token, faults, layout), daemon=True
+            target=_serve, args=(factory, factory_args, host, self.port, token, faults, layout, staging), daemon=True
         )
 
     def start(self) -> ServerProcess:

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncsync.checkpoint import CheckpointStage, Conversion, is_transformers_model, meta_tensors, to_memory
+from asyncsync.protocol.arena import STAGINGS, Arena, HostArena, Staging
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.group import Abandoner, DataPlaneGroup
-from asyncsync.protocol.specs import LAYOUTS
+from asyncsync.protocol.specs import LAYOUTS, BucketPlan, TensorSpec, unpack
 from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
@@ -41,13 +42,27 @@ class WeightReceiver:
     held: a copy of those groups, the only bytes that are not swapped in from the buffers themselves.
     With ``layout="trainer"`` versions carry the model's own in-memory names and layouts instead (a
     trainer of the same transformers class with ``layout: trainer``): nothing is converted.
+
+    ``staging`` (``protocol.arena``), allocated and touched when the server first joins a group (a
+    same-host server fed through shared memory serves from the trainer's segment and needs none):
+
+    * ``device`` (the default): two whole-version arenas on the weights' device; the live weights
+      alias one (moved there at the join), the next version is received into the other and swapped
+      in: generation is held only for pointer moves, and the old version serves during the whole
+      receive. Costs one extra version beside the live weights.
+    * ``host``: one arena in host shared memory; a verified version is copied into the live weights
+      under the serving lock (generation held for that copy). Costs one version of host memory; on a
+      CPU server the same bytes as ``device``, on a CUDA one none of the device's.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], serve_lock: threading.Lock, version: int = 0,
                  model: torch.nn.Module | None = None, max_version_bytes: int | None = None,
-                 abandoner: Abandoner | None = None, layout: str = "checkpoint"):
+                 abandoner: Abandoner | None = None, layout: str = "checkpoint", staging: Staging = "device"):
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: expected one of {list(LAYOUTS)}")
+        if staging not in STAGINGS:
+            raise ValueError(f"staging {staging!r}: expected one of {list(STAGINGS)}")
+        self.staging = staging
         self._live = dict(weights)
         self.runtime = runtime_for(next(iter(self._live.values())).device)
         self.serve_lock = serve_lock
@@ -71,8 +86,39 @@ class WeightReceiver:
         return list(self.stager.expected)
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
-        """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank)."""
+        """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank); the
+        first join makes the staging arenas, so no version of the session pays for their pages."""
         self.stager.join(specs, rank, warmup)
+        if not self.stager.arenas:
+            self._make_arenas()
+
+    def _make_arenas(self) -> None:
+        nbytes = self.stager.model_bytes
+        if self.staging == "host":
+            arena = HostArena(nbytes)
+            if self.runtime.kind != "host":
+                arena.pin()
+            self.stager.stage_in((arena,))
+            return
+        live = self._move_live(Arena.on_device(nbytes, self.runtime.device))
+        self.stager.stage_in((Arena.on_device(nbytes, self.runtime.device), live), live=live)
+
+    def _move_live(self, arena: Arena) -> Arena:
+        """Re-point the live tensors that versions replace whole (not the converted groups, which are
+        rebuilt per version) into ``arena``: the weights they held at start-up are freed, so the
+        server holds two versions, not three. Runs on the data-plane thread, the only one that
+        changes weights; generation is held only for the pointer moves."""
+        renamed = [g for g in self.groups if g.renamed]
+        with torch.no_grad():
+            specs = [TensorSpec.of(g.sources[0], self._live[g.sources[0]]) for g in renamed]
+            bucket = BucketPlan(specs, bucket_bytes=max(nbytes_of(specs), 1)).buckets[0] if specs else None
+            views = dict(unpack(arena.views([bucket.nbytes])[0], bucket)) if bucket is not None else {}
+            for name, view in views.items():
+                view.copy_(self._live[name])
+            with self.serve_lock:
+                for name, view in views.items():
+                    self._live[name].set_(view)
+        return arena
 
     def receive(self, req: UpdateRequest) -> None:
         """Receive every bucket of ``req`` (from the data plane, or mapped from the trainer's shared
@@ -118,13 +164,26 @@ class WeightReceiver:
                 assert self.model is not None
                 built = to_memory(self.model, {n: views[n] for n in group.target_names})  # transformers' load
                 made.update((name, built[name]) for name in group.sources)
+        # With host staging the arena is received into again: what would alias it is copied out (a
+        # zero-copy version mapped from the trainer's segment is served from there, as ever; live
+        # weights that still map one, read-only, get storage of their own).
+        host_copy = self.staging == "host" and staged.segment is None
+        copied = {g.sources[0] for g in self.groups if g.renamed} if host_copy else set()
         with self.serve_lock, torch.no_grad():
             start = time.perf_counter()
             for name, tensor in made.items():
-                self._live[name].set_(tensor)
+                if name not in copied:
+                    self._live[name].set_(tensor)
+                elif self.stager.holds:
+                    self._live[name].set_(tensor.clone())
+                else:
+                    self._live[name].copy_(tensor)
             self.version = version
             self.applied.append(version)
-            self.stager.mark_live(staged)
+            if host_copy:
+                self.stager.mark_committed(staged)
+            else:
+                self.stager.mark_live(staged)
             self.last_switch_s = time.perf_counter() - start
         self._staged = None
         return version
@@ -147,6 +206,10 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.stager.close()
+
+
+def nbytes_of(specs: Sequence[TensorSpec]) -> int:
+    return sum(s.nbytes for s in specs)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

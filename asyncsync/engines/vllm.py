@@ -50,7 +50,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 from asyncsync.config import ServerConfig
-from asyncsync.engines.base import EngineClient, Generation, Phase, parse_weight_version
+from asyncsync.engines.base import EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version
+from asyncsync.protocol.arena import vllm_staging
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.transport.control import ServerError
@@ -79,11 +80,29 @@ class VllmEngine(EngineClient):
         return self.server.receive == "background"
 
     def staging_bytes(self, version_bytes: int, ranks: int) -> int:
-        """Every worker (one per rank) holds a staging arena of one whole version, from start-up."""
+        """Every data-plane rank holds a staging arena of one whole version, from start-up: each worker's
+        device (``asyncsync-device``), or each engine's host shared memory (``asyncsync``: one rank
+        per engine, its stager)."""
         return version_bytes * ranks
 
     async def world_size(self) -> int:
-        return int((await self.http.get("/get_world_size"))["world_size"])
+        """The data-plane ranks of the server: every worker with device staging, one per engine (data-
+        parallel rank) with host staging, whose engines receive on their first worker only. The
+        staging is the backend's name, read from ``/server_info`` (a development route, served with
+        ``VLLM_SERVER_DEV_MODE=1`` like the weight-transfer routes)."""
+        try:
+            info = await self.http.get("/server_info", params={"config_format": "json"})
+            backend = info["vllm_config"]["weight_transfer_config"]["backend"]
+            staging = vllm_staging(backend)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnsupportedServer(self.url, f"cannot tell this vLLM's weight-transfer backend from /server_info "
+                                              f"({e}): start it with --weight-transfer-config "
+                                              '\'{"backend": "asyncsync"}\' and VLLM_SERVER_DEV_MODE=1') from None
+        workers = int((await self.http.get("/get_world_size"))["world_size"])
+        if staging == "device":
+            return workers
+        per_engine = int((await self.http.get("/get_world_size", params={"include_dp": "false"}))["world_size"])
+        return workers // per_engine
 
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
         await self.http.post("/init_weight_transfer_engine",

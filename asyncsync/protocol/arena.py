@@ -42,6 +42,19 @@ STAGINGS: tuple[Staging, ...] = ("host", "device")
 
 RING_SLOTS = 2  # receive buffers of a stager whose arena is not on its weights' device
 
+# vLLM's --weight-transfer-config takes only a backend name (its config forbids other keys), so that
+# name chooses the staging of asyncsync's vLLM backend; the trainer's client reads it back from the
+# server (docs/engines/vllm.md, "Memory").
+VLLM_BACKENDS: dict[str, Staging] = {"asyncsync": "host", "asyncsync-host": "host", "asyncsync-device": "device"}
+
+
+def vllm_staging(backend: str) -> Staging:
+    """The staging a vLLM backend name asks for; ``ValueError`` naming the choices for another name."""
+    try:
+        return VLLM_BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"{backend!r} is not one of asyncsync's vLLM backends {sorted(VLLM_BACKENDS)}") from None
+
 
 class Arena:
     """A flat uint8 buffer of one whole version (``tensor``), touched when made."""

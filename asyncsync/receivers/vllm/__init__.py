@@ -4,22 +4,29 @@
 vLLM calls it in each of its processes (API server, engine core, workers), and a stock server then
 accepts ``--weight-transfer-config '{"backend": "asyncsync"}'``. The engine module itself is imported
 lazily, only in the workers that create the engine.
+
+vLLM's ``--weight-transfer-config`` takes only ``backend`` (its config forbids other keys), so the
+receiver's staging (``protocol/arena.py``) is in the backend's name, where the trainer's client
+also reads it (``/server_info``): ``asyncsync`` and ``asyncsync-host`` stage a version once per node
+in host memory (the default: what large tensor-parallel models fit), ``asyncsync-device`` on every
+worker's device.
 """
 
 from __future__ import annotations
 
-BACKEND = "asyncsync"
+from asyncsync.protocol.arena import VLLM_BACKENDS as BACKENDS
 
 
 def register() -> None:
-    """Register the ``asyncsync`` backend once per process (vLLM refuses a second registration), and
-    keep a refused version to one log line (``quiet``)."""
+    """Register asyncsync's backends once per process (vLLM refuses a second registration), and keep
+    a refused version to one log line (``quiet``)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     from asyncsync.receivers.vllm.quiet import install
 
     install()
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "asyncsync.receivers.vllm.transfer_engine", "AsyncsyncWeightTransferEngine"
-        )
+    for name in BACKENDS:  # each name selects a staging (``protocol.arena.vllm_staging``)
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(
+                name, "asyncsync.receivers.vllm.transfer_engine", "AsyncsyncWeightTransferEngine"
+            )

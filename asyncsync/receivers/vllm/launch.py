@@ -72,10 +72,12 @@ def serving(model_dir: Path, count: int, log_dir: Path, args: Sequence[str] = ()
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` in a new session; ``stop`` kills its process group.
     ``python`` is the interpreter of an environment with vLLM and asyncsync installed (default: this
-    one); ``args`` are more server flags; ``env`` more environment variables."""
+    one); ``args`` are more server flags; ``env`` more environment variables; ``backend`` the
+    weight-transfer backend (``asyncsync-device``: a staging arena on every worker; None: vLLM's own
+    default, without asyncsync's)."""
 
     def __init__(self, model_dir: Path, log_path: Path, python: str = sys.executable, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, kv_cache_gib: int = 1):
+                 env: Mapping[str, str] | None = None, kv_cache_gib: int = 1, backend: str | None = "asyncsync"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir, self.log_path = model_dir, log_path
@@ -87,7 +89,7 @@ class VllmServer:
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
             "--dtype", "float32", "--max-model-len", "512",
-            "--weight-transfer-config", json.dumps({"backend": "asyncsync"}), *args,
+            *(["--weight-transfer-config", json.dumps({"backend": backend})] if backend else []), *args,
         ]
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)

@@ -49,13 +49,14 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from asyncsync.protocol.arena import Arena, HostArena, Staging, vllm_staging
 from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
@@ -64,6 +65,7 @@ from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejec
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.experts import ExpertKernels
+from asyncsync.receivers.vllm.node import NodeStaging
 from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,11 @@ FINISH_WAIT_S = 10.0
 
 
 class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
-    """Receives asyncsync's buckets over a gloo (CPU) or NCCL (GPU) group and loads them whole."""
+    """Receives asyncsync's buckets over a gloo (CPU) or NCCL (GPU) group and loads them whole.
+
+    Where a version is staged is the backend's name (``receivers/vllm/__init__.py``): ``host`` (one
+    copy per node, received by the engine's first worker: ``receivers/vllm/node.py``) or ``device``
+    (a copy on every worker's device, each receiving it)."""
 
     init_info_cls = InitGroupRequest  # type: ignore[assignment]
     update_info_cls = UpdateRequest  # type: ignore[assignment]
@@ -84,19 +90,39 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        # The staging arena (one version, on the worker's device) is allocated here, when vLLM creates
-        # the engine, not at the first update: see docs/engines/vllm.md for sizing the KV cache around it.
+        self.staging: Staging = vllm_staging(config.backend)
         self.checkpoint = CheckpointTensors(vllm_config)
-        self.stager = BucketStager(self.checkpoint.specs, "/init_weight_transfer_engine",
-                                   runtime_for(torch.device(device)), arena=True)
+        runtime = runtime_for(torch.device(device))
+        # ``host``: the engine's workers share one copy; only the stager receives (``node``).
+        self.node = NodeStaging(self.parallel_config) if self.staging == "host" else None
+        self.receives = self.node is None or self.node.stager
+        # The staging arena is made here, when vLLM creates the engine, before vLLM sizes its KV cache
+        # (docs/engines/vllm.md, "Memory"), and touched, so no version pays for its pages.
+        nbytes = sum(spec.nbytes for spec in self.checkpoint.specs.values())
+        self.arena: Arena | None = None
+        if self.receives:
+            self.arena = HostArena(nbytes) if self.staging == "host" else Arena.on_device(nbytes, runtime.device)
+            if isinstance(self.arena, HostArena) and runtime.kind != "host":
+                self.arena.pin()
+        self.stager = BucketStager(self.checkpoint.specs, "/init_weight_transfer_engine", runtime,
+                                   arenas=(self.arena,) if self.arena is not None else ())
         self.version = 0  # the last version this worker loaded; a version must be newer to be loaded
+        # A version started in the background, on every worker (also those that do not receive it): what
+        # finish_weight_update completes.
+        self.pending: UpdateRequest | AdapterUpdate | None = None
         self.ties = TiedModules(model)
         self.experts = ExpertKernels(model)
         self.background = BackgroundReceive(self.stager, self._verify)
         pc = self.parallel_config
         self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,
                                        writer=pc.rank == 0 and pc.data_parallel_index == 0)
-        log.info("asyncsync: %.1f MB staging arena on %s", self.stager.arena.numel() / 1e6, device)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            LayoutCheck: self._check_layout, AdapterCheck: self.adapters.check, BaseCheck: self._check_base,
+            AdapterUpdate: self._receive_adapter, DiscardRequest: self._discard, UpdateRequest: self._receive,
+        }
+        where = f"{nbytes / 1e6:.1f} MB staging arena on {'host shared memory' if self.staging == 'host' else device}"
+        log.info("asyncsync: staging %s: %s", self.staging, where if self.arena is not None else
+                 "this worker loads from its engine's stager's arena (it receives nothing)")
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
         return InitGroupRequest.from_json(init_dict)
@@ -110,51 +136,74 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         return UpdateRequest.from_json(update_dict)
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
+        """Join the trainer's groups: every worker as its own rank (``device``), or the engine's stager as
+        the engine's one rank (``host``: ``rank_offset + data-parallel index``)."""
         pc = self.parallel_config
-        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        if not self.receives:
+            return
+        if self.node is None:
+            rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        else:
+            rank = init_info.rank_offset + pc.data_parallel_index
         self.background.join(init_info.groups, rank)  # drops a version of the old groups, which cannot complete
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the reload is opened only once a version is verified."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
-        """``in_rpc``: receive, verify and load the version here. ``background``: start receiving it
-        on the worker thread and return at once. A ``DiscardRequest`` drops a background version; a
-        ``LayoutCheck`` (the trainer's ``connect``) raises unless it names the checkpoint's tensors."""
+        """One handler per message the trainer's client carries in ``update_info``: a version (``in_rpc``:
+        received, verified and loaded here; ``background``: started on the worker thread), an
+        adapter version, a ``DiscardRequest`` (drop a background version), and the checks made at the
+        trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse."""
         request = self.parse_update_info(update_info)
-        if isinstance(request, LayoutCheck):
-            self.stager.check_layout(request)
-            self.ties.check_plan()
-            return
-        if isinstance(request, AdapterCheck):
-            self.adapters.check(request)
-            return
-        if isinstance(request, BaseCheck):
-            self.adapters.check_base(request, self.version, self.checkpoint)
-            return
-        if isinstance(request, AdapterUpdate):
-            self._receive_adapter(request)
-            return
-        if isinstance(request, DiscardRequest):
-            self.background.cancel()
-            self.adapters.pending = None
-            log.info("discarded version %d", request.version)
-            return
+        self._handlers[type(request)](request)
+
+    def _check_layout(self, check: LayoutCheck) -> None:
+        self.stager.check_layout(check)
+        self.ties.check_plan()
+
+    def _check_base(self, check: BaseCheck) -> None:
+        self.adapters.check_base(check, self.version, self.checkpoint)
+
+    def _discard(self, request: DiscardRequest) -> None:
+        self.background.cancel()
+        self.pending, self.adapters.pending = None, None
+        log.info("discarded version %d", request.version)
+
+    def _refuse_while_pending(self, what: str) -> None:
+        if self.pending is not None:
+            busy = self.pending.update.version if isinstance(self.pending, AdapterUpdate) else self.pending.version
+            raise VersionRejected(f"{what} rejected: version {busy} is being received in the background; finish "
+                                  "or discard it first")
+
+    def _receive(self, request: UpdateRequest) -> None:
+        self._refuse_while_pending(f"version {request.version}")
         if request.receive == "background":
-            self.background.start(request, self.version)  # raises VersionRejected if one is in flight
+            self._led(lambda: self.background.start(request, self.version))  # raises VersionRejected if one is in flight
+            self.pending = request
             return
-        if self.background.pending:
-            raise VersionRejected(f"version {request.version} rejected: version {self.background.version} is "
-                                  "being received in the background; finish or discard it first")
-        self.receive_weights(request)
+        self._load(self._staged(request, lambda: self.receive_weights(request)))
         torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
 
-    def receive_weights(self, update_info: UpdateRequest) -> None:  # type: ignore[override]
-        # From the data plane, or (``transport: shm``, same host) copied once from the trainer's shared
-        # memory into the arena; either way verified before the model is touched (raises VersionRejected).
+    def receive_weights(self, update_info: UpdateRequest) -> StagedVersion:  # type: ignore[override]
+        """Receive and verify a version here (the data plane, or a same-host trainer's shared memory
+        copied once into the arena); raises ``VersionRejected`` before the model is touched."""
         staged = self.stager.receive(update_info, self.version)
-        self.ties.check(staged.version)  # raises VersionRejected; model untouched
-        self._load(staged)
+        self.ties.check(staged.version)
+        return staged
+
+    def _led(self, step: Callable[[], Any]) -> Any:
+        """``step`` on a worker that receives; with host staging, its outcome on every worker."""
+        return step() if self.node is None else self.node.led(step, None)
+
+    def _staged(self, request: UpdateRequest, step: Callable[[], StagedVersion]) -> StagedVersion:
+        """The verified version every worker loads: received here by ``step``, or (host staging, a peer)
+        mapped from the stager's arena once it shared that it verified ``request``."""
+        if self.node is None:
+            return step()
+        if self.node.stager:
+            return self.node.led(step, self.arena if isinstance(self.arena, HostArena) else None)
+        return self.node.staged(request)
 
     def _verify(self, staged: StagedVersion) -> None:
         """The worker's own rules for a version received in the background (an adapter's, or weights')."""
@@ -166,20 +215,25 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def _receive_adapter(self, update: AdapterUpdate) -> None:
         """An adapter version: received and verified like any (``background``: on the worker thread,
-        written at finish), then written as a PEFT directory, never loaded here."""
-        request = update.update
-        if request.receive == "background":
-            self.adapters.pending = update
-            try:
-                self.background.start(request, self.adapters.served(update), self.adapters.expected(update))
-            except BaseException:
-                self.adapters.pending = None
-                raise
+        written at finish), then written as a PEFT directory by the writer, never loaded here. With
+        host staging only the stager receives it (it is the writer); its peers share its outcome."""
+        self._refuse_while_pending(f"adapter version {update.update.version}")
+        if update.update.receive == "background":
+            self._led(lambda: self._start_adapter(update))
+            self.pending = update
             return
-        if self.background.pending:
-            raise VersionRejected(f"adapter version {request.version} rejected: version {self.background.version} is "
-                                  "being received in the background; finish or discard it first")
-        staged = self.stager.receive(request, self.adapters.served(update), self.adapters.expected(update))
+        self._led(lambda: self._adapter_now(update))
+
+    def _start_adapter(self, update: AdapterUpdate) -> None:
+        self.adapters.pending = update
+        try:
+            self.background.start(update.update, self.adapters.served(update), self.adapters.expected(update))
+        except BaseException:
+            self.adapters.pending = None
+            raise
+
+    def _adapter_now(self, update: AdapterUpdate) -> None:
+        staged = self.stager.receive(update.update, self.adapters.served(update), self.adapters.expected(update))
         self.adapters.verify(update, staged)
         self.adapters.write(update, staged)
 
@@ -188,15 +242,15 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
         version is written as a PEFT directory instead. Raises what the receive raised (a refused
         version); nothing is pending afterwards either way."""
-        if not self.background.pending:
+        pending, self.pending = self.pending, None
+        if pending is None:
             return
-        adapter, self.adapters.pending = self.adapters.pending, None
-        staged = self.background.take(FINISH_WAIT_S)
         try:
-            if adapter is not None:
-                self.adapters.write(adapter, staged)
+            if isinstance(pending, AdapterUpdate):
+                self.adapters.pending = None
+                self._led(lambda: self.adapters.write(pending, self.background.take(FINISH_WAIT_S)))
             else:
-                self._load(staged)
+                self._load(self._staged(pending, lambda: self.background.take(FINISH_WAIT_S)))
         finally:
             self.background.released()  # the arena may be received into once the load has read it
 

@@ -15,10 +15,11 @@ import yaml
 
 
 def _load_yaml(path: str | None) -> dict[str, Any]:
+    """A YAML file's mapping, or a JSON file's (``.json``: YAML 1.1 would read ``1e-05`` as a string)."""
     if not path:
         return {}
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        return (json.load(f) if path.endswith(".json") else yaml.safe_load(f)) or {}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,6 +77,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
+    from asyncsync.config import ConfigError, WeightSyncConfig
     from asyncsync.packing.native import status
     from asyncsync.protocol.device import CudaRuntime, HostRuntime
 
@@ -83,27 +85,65 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"data-plane backend (auto): {HostRuntime.wire_backend} for CPU weights, {CudaRuntime.wire_backend} for CUDA weights")
     for key, value in status().items():
         print(f"{key}: {value}")
-    if args.model_config:
-        from asyncsync.config import ConfigError, WeightSyncConfig
-        from asyncsync.models import ModelConfig, build_model
-        from asyncsync.trainer.sync import WeightSync
+    if not args.model_config:
+        return 0
+    try:
+        data = _load_yaml(args.model_config)
+        sync_data = _load_yaml(args.config)
+        sync_cfg = WeightSyncConfig.from_dict({**sync_data.get("weight_sync", sync_data), "servers": ["http://unused"]})
+        if "model_type" in data:  # a Hugging Face config.json: planned on meta tensors, nothing allocated
+            from transformers import AutoConfig, AutoModelForCausalLM
 
-        try:
-            data = _load_yaml(args.model_config)
-            model_cfg = ModelConfig.from_dict(data.get("policy", data.get("model", data)))
-            sync_data = _load_yaml(args.config)
-            sync_cfg = WeightSyncConfig.from_dict({**sync_data.get("weight_sync", sync_data), "servers": ["http://unused"]})
-        except (ConfigError, OSError) as e:
-            print(f"asyncsync doctor: bad configuration: {e}", file=sys.stderr)
-            return 2
-        model = build_model(model_cfg)
-        model_bytes = sum(t.nbytes for t in model.state_dict().values())
-        print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
-              "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
-        for mode, b in WeightSync(sync_cfg).memory(model).items():
-            print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host, "
-                  f"{b['conversion'] / 1e6:.1f} MB at most for converting to the engines' layout")
+            hf = AutoConfig.for_model(**data)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf, dtype=getattr(torch, str(data.get("torch_dtype", data.get("dtype", "bfloat16")))))
+        else:
+            from asyncsync.models import ModelConfig, build_model
+
+            model = build_model(ModelConfig.from_dict(data.get("policy", data.get("model", data))))
+    except (ConfigError, OSError, ValueError, TypeError, AttributeError) as e:
+        print(f"asyncsync doctor: bad configuration: {e}", file=sys.stderr)
+        return 2
+    model_bytes = sum(t.nbytes for t in model.state_dict().values())
+    if model.device.type != "meta":
+        _doctor_trainer(model, model_bytes, sync_cfg)
+    _doctor_receivers(model_bytes, args.tp, sync_cfg.bucket_bytes, args.gpus_per_node)
     return 0
+
+
+def _doctor_trainer(model: Any, model_bytes: int, sync_cfg: Any) -> None:
+    from asyncsync.trainer.sync import WeightSync
+
+    print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
+          "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
+    for mode, b in WeightSync(sync_cfg).memory(model).items():
+        print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host, "
+              f"{b['conversion'] / 1e6:.1f} MB at most for converting to the engines' layout")
+
+
+GPU_GB = (80, 141)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+def _doctor_receivers(model_bytes: int, tp: int, bucket_bytes: int, gpus_per_node: int) -> None:
+    """What each vLLM staging choice adds per GPU and per node, beside the weights each GPU holds and
+    the room left for the KV cache on an 80 GB and a 141 GB GPU (docs/engines/vllm.md, "Memory")."""
+    from asyncsync.protocol.arena import STAGINGS, StagingCost
+
+    weights = model_bytes / tp
+    print(f"vLLM receivers of this model ({model_bytes / 1e9:.1f} GB of weights), tensor parallel {tp}, "
+          f"{gpus_per_node} GPUs per node, bucket_bytes {bucket_bytes / 2**20:.0f} MiB: staging adds "
+          f"(weights per GPU {weights / 1e9:.1f} GB; KV-cache room is {GPU_MEMORY_UTILIZATION} x the GPU - weights - "
+          "staging, before activations)")
+    for staging in STAGINGS:
+        cost = StagingCost.of(staging, model_bytes, tp, bucket_bytes, gpus_per_node)
+        room = []
+        for gb in GPU_GB:
+            left = GPU_MEMORY_UTILIZATION * gb * 1e9 - weights - cost.device_per_gpu
+            room.append(f"{left / 1e9:.1f} GB on {gb} GB" if left > 0 else f"does not fit {gb} GB")
+        where = "on the stager's GPU (0 on the others)" if staging == "host" else "on every GPU"
+        print(f"  {staging:7s} {cost.device_per_gpu / 1e9:8.2f} GB {where}, {cost.host_per_node / 1e9:6.1f} GB host per "
+              f"node; KV room {', '.join(room)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
     doctor = sub.add_parser("doctor", help="report which pack, checksum and data-plane paths are active, and the "
                                            "memory the sync allocates for a model")
-    doctor.add_argument("--model-config", help="YAML with a model shape ('policy:' or 'model:' section, or the fields): "
-                                               "print the bytes the sync allocates for it in each mode")
+    doctor.add_argument("--model-config", help="YAML with a model shape ('policy:' or 'model:' section, or the fields), "
+                                               "or a Hugging Face config.json (built on meta tensors, nothing allocated): "
+                                               "print the bytes the sync and its receivers need for it")
     doctor.add_argument("--config", help="YAML with the weight_sync settings (a 'weight_sync:' section or the fields)")
+    doctor.add_argument("--tp", type=int, default=1, help="the servers' tensor parallelism, for their staging's memory")
+    doctor.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server node (host staging: a copy per engine)")
     doctor.set_defaults(fn=cmd_doctor)
 
     args = parser.parse_args(argv)

@@ -38,7 +38,6 @@ import multiprocessing as mp
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -55,10 +54,9 @@ from asyncsync.protocol.background import lower_thread_priority
 from asyncsync.receivers.reference.launch import ServerProcess
 from asyncsync.receivers.vllm.launch import VllmServer
 from asyncsync import netns
-from benchmarks.common import RESULTS, write_json
+from benchmarks.common import RESULTS, ROOT, vllm_python, write_json
 
 log = logging.getLogger("benchmarks.stall")
-ROOT = Path(__file__).resolve().parent.parent
 
 # 428 MB of float32 weights: a sync long enough to see, a decode step of tens of ms on one core.
 # head_dim 64: vLLM's CPU attention rejects small heads.
@@ -313,18 +311,6 @@ def reference_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         return [run_row("reference", "background", server.url, load, args)]
 
 
-def vllm_python(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The interpreter to run vLLM with, or None and why not."""
-    python = args.vllm_python or os.environ.get("ASYNCSYNC_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
-    if not Path(python).exists():
-        return None, (f"vLLM rows skipped: no interpreter at {python} (build one with scripts/test_vllm.sh, or pass "
-                      "--vllm-python / set ASYNCSYNC_VLLM_PYTHON)")
-    check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    if check.returncode != 0:
-        return None, f"vLLM rows skipped: vllm does not import with {python}: {check.stderr.strip()[-300:]}"
-    return python, ""
-
-
 def vllm_rows(args: argparse.Namespace, python: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Both receive modes against one vLLM server (the mode travels with each update); also the
     worker's asyncsync log lines (load times)."""
@@ -408,7 +394,7 @@ def main() -> None:
     if "reference" not in args.skip:
         rows += reference_rows(args)
     if "vllm" not in args.skip:
-        python, why = vllm_python(args)
+        python, why = vllm_python(args.vllm_python)
         if python is None:
             log.warning("%s", why)
             rows.append({"server": "vllm", "skipped": why})

@@ -31,6 +31,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -54,6 +55,26 @@ def vllm_staging(backend: str) -> Staging:
         return VLLM_BACKENDS[backend]
     except KeyError:
         raise ValueError(f"{backend!r} is not one of asyncsync's vLLM backends {sorted(VLLM_BACKENDS)}") from None
+
+
+@dataclass(frozen=True)
+class StagingCost:
+    """What a staging choice adds to a receiver, for a version of ``version_bytes`` served with
+    tensor parallelism ``tp`` on nodes of ``gpus_per_node``: ``device_per_gpu`` (the most any one GPU
+    gets: host staging's stager holds its two receive buffers, the other workers nothing) and
+    ``host_per_node`` (host staging: a copy per engine on the node). Docs and ``asyncsync doctor``
+    print these; ``benchmarks/memory.py`` measures them."""
+
+    staging: Staging
+    device_per_gpu: int
+    host_per_node: int
+
+    @classmethod
+    def of(cls, staging: Staging, version_bytes: int, tp: int, bucket_bytes: int, gpus_per_node: int) -> StagingCost:
+        if staging == "device":
+            return cls(staging, version_bytes, 0)
+        engines = max(1, gpus_per_node // tp)
+        return cls(staging, RING_SLOTS * min(bucket_bytes, version_bytes), engines * version_bytes)
 
 
 class Arena:

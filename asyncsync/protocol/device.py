@@ -115,6 +115,12 @@ class Runtime(ABC):
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on ``device`` without blocking the host (from pinned memory on CUDA)."""
 
+    def return_freed(self) -> None:
+        """Give memory freed after a load back to the operating system where an allocator keeps it: on
+        the host glibc keeps the heap of freed small tensors (a weight reload frees one model's worth of
+        per-layer temporaries); CUDA's caching allocator keeps its cache by design (an engine's memory
+        profile counts it)."""
+
 
 class HostRuntime(Runtime):
     """CPU: work runs synchronously on the calling thread, so a stream is the thread itself and an
@@ -163,6 +169,12 @@ class HostRuntime(Runtime):
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         return host
+
+    def return_freed(self) -> None:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: its allocator decides
+            pass
 
 
 class CudaRuntime(Runtime):  # unexercised on this project's CPU-only machines

@@ -108,6 +108,13 @@ class VllmServer:
                 time.sleep(0.5)
         raise TimeoutError(f"vLLM not healthy within {timeout_s}s:\n{self.log_tail()}")
 
+    def workers(self) -> list[int]:
+        """The pids of vLLM's worker processes (``VLLM::Worker``, ``VLLM::Worker_TP<rank>``), in rank order."""
+        from asyncsync.procmem import command, descendants
+
+        return sorted((p for p in descendants(self.process.pid) if command(p).startswith("VLLM::Worker")),
+                      key=command)
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 

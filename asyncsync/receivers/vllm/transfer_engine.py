@@ -267,6 +267,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             finalize_layerwise_reload(self.model, self.model_config)
         self.ties.reprocess(loaded)
         self.experts.reprocess()
+        self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
         self.version = staged.version
         self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),

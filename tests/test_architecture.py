@@ -247,9 +247,10 @@ def test_the_trainer_side_below_the_trainer_never_imports_it():
 
 def test_receivers_build_on_the_protocol_not_on_the_trainer_side():
     graph = import_graph()
-    # checkpoint: the reference server loads a checkpoint-layout version into its transformers module
+    # checkpoint: the reference server loads a checkpoint-layout version into its transformers module;
+    # procmem (standard library only): a launched vLLM server's worker processes, for tests and benchmarks
     allowed = ("asyncsync.protocol", "asyncsync.receivers", "asyncsync.models", "asyncsync.transport.control",
-               "asyncsync.checkpoint")
+               "asyncsync.checkpoint", "asyncsync.procmem")
     wrong = {m: sorted(d for d in deps if not d.startswith(allowed))
              for m, deps in graph.items() if m.startswith("asyncsync.receivers")}
     assert {m: d for m, d in wrong.items() if d} == {}

@@ -52,10 +52,11 @@ def test_each_staging_serves_every_version_bit_exact_within_its_memory(staging):
                 dense_step(trainer, version, scale=0.01)
                 result = sync.publish(trainer, version)
                 assert result.server_versions == {server.url: version}, result.failures
-                assert server.get("/weights/digest") == {"version": version, "digest": digest(trainer)}
             switch_s = result.switch_s[server.url]
-        grown = process_memory(server.process.pid).private - before
+        grown = process_memory(server.process.pid).private - before  # before /weights/digest's own copies
         segments = staging_segments(server)
+        assert server.get("/weights/digest") == {"version": 3, "digest": digest(trainer)}
+        assert server.get("/version")["applied"][-3:] == [1, 2, 3]
     if staging == "device":
         # The arena received into, beside the live weights (moved into the other at the join).
         assert segments == {}

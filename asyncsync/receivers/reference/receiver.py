@@ -186,6 +186,7 @@ class WeightReceiver:
                 self.stager.mark_live(staged)
             self.last_switch_s = time.perf_counter() - start
         self._staged = None
+        self.runtime.return_freed()  # what the swap and the conversions freed goes back to the OS
         return version
 
     def digest(self) -> tuple[int, dict[str, str]]:

@@ -72,6 +72,18 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
 
 
+def send_versions(sync: WeightSync, trainer: torch.nn.Module, url: str, count: int = VERSIONS) -> list[dict[str, Any]]:
+    """``count`` blocking versions with every parameter changed: each one's time and generation hold."""
+    versions = []
+    for v in range(1, count + 1):
+        perturb(trainer, v)
+        start_s = time.perf_counter()
+        result = sync.publish(trainer, v)
+        assert result.server_versions == {url: v}, result.failures
+        versions.append({"version_s": time.perf_counter() - start_s, "held_s": result.switch_s.get(url)})
+    return versions
+
+
 # -- vLLM -------------------------------------------------------------------------------------------
 
 def snapshot(server: VllmServer) -> dict[str, Any]:
@@ -112,13 +124,7 @@ def vllm_row(python: str, model_dir: Path, tmp: Path, staging: str, tp: int, bas
         with WeightSync.from_config(cfg) as sync:
             sync.connect(trainer)
             connected = snapshot(server)
-            versions = []
-            for v in range(1, VERSIONS + 1):
-                perturb(trainer, v)
-                start_s = time.perf_counter()
-                result = sync.publish(trainer, v)
-                assert result.server_versions == {server.url: v}, result.failures
-                versions.append({"version_s": time.perf_counter() - start_s, "held_s": result.switch_s.get(server.url)})
+            versions = send_versions(sync, trainer, server.url)
             after = snapshot(server)
         ask(server.url)
     finally:
@@ -169,13 +175,7 @@ def reference_row(staging: str) -> dict[str, Any]:
         with WeightSync.from_config(cfg) as sync:
             sync.connect(trainer)
             connected = snap()
-            versions = []
-            for v in range(1, VERSIONS + 1):
-                perturb(trainer, v)
-                start_s = time.perf_counter()
-                result = sync.publish(trainer, v)
-                assert result.server_versions == {server.url: v}, result.failures
-                versions.append({"version_s": time.perf_counter() - start_s, "held_s": result.switch_s.get(server.url)})
+            versions = send_versions(sync, trainer, server.url)
             after = snap()
     return gains(baseline, connected, after, nbytes) | {"versions": versions}
 
@@ -189,13 +189,7 @@ def cold_versions() -> dict[str, Any]:
             start_s = time.perf_counter()
             sync.connect(trainer)
             connect_s = time.perf_counter() - start_s
-            times = []
-            for v in range(1, COLD_VERSIONS + 1):
-                perturb(trainer, v)
-                start_s = time.perf_counter()
-                result = sync.publish(trainer, v)
-                assert result.server_versions == {server.url: v}, result.failures
-                times.append(time.perf_counter() - start_s)
+            times = [v["version_s"] for v in send_versions(sync, trainer, server.url, COLD_VERSIONS)]
     steady = statistics.median(times[2:])
     return {"model_bytes": model_bytes(COLD_MODEL), "connect_s": connect_s, "version_s": times, "steady_s": steady,
             "cold_ratio": max(times[:2]) / steady}

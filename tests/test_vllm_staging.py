@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from asyncsync import WeightSync
 from asyncsync.models import generate

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.packing.delta import Delta
-from asyncsync.protocol.specs import Bucket, distinct_tensors
+from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.receivers.reference.app import Faults, ReferenceServer
 from asyncsync.testing import ServerProcess, mixed_dtype_model, running
-from asyncsync.trainer.buffers import Prepacked
 
 from conftest import TINY
 from helpers import ThreadedServer, Watcher, digest
+from staging_faults import CorruptNextDelta
 
 
 def nudge(model: torch.nn.Module, step: int) -> None:
@@ -36,31 +35,6 @@ def config(urls: list[str], **extra: object) -> WeightSyncConfig:
     return WeightSyncConfig.from_dict({"servers": urls, "bucket_bytes": "16KiB", "transport": "collective",
                                        "readmit_interval_s": 0.1, "deadlines": {"collective_s": 10, "http_s": 10},
                                        **extra})
-
-
-class CorruptOneDelta:
-    """The next version sent as deltas has one byte of one bucket's delta flipped on its way to the
-    wire (in a copy; the trainer's checksum is the original bucket's, as a bit flip would leave it)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        self.armed = False
-        self._corrupted: dict[tuple[int, int], Delta] = {}
-        original = Prepacked.delta
-
-        def delta(source: Prepacked, bucket: Bucket) -> Delta | None:
-            found = original(source, bucket)
-            key = (id(source), bucket.index)
-            if key in self._corrupted:
-                return self._corrupted[key]
-            payload = found.payload() if found is not None else None
-            if self.armed and payload is not None and payload.numel() > 512:
-                self.armed = False
-                bad = payload.clone()
-                bad[bad.numel() // 2] ^= 0x5A
-                self._corrupted[key] = found = Delta(bad, found.changed)
-            return found
-
-        monkeypatch.setattr(Prepacked, "delta", delta)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +53,7 @@ def served(urls_or_servers: list) -> list[tuple[int, dict[str, str]]]:
 
 
 def test_a_corrupted_delta_is_refused_whole_and_the_next_version_goes_whole(two_servers, monkeypatch):
-    corrupt = CorruptOneDelta(monkeypatch)
+    corrupt = CorruptNextDelta(monkeypatch)
     model = mixed_dtype_model(TINY)
     v = next_version(two_servers)
     with WeightSync(config([s.url for s in two_servers])) as sync:
@@ -107,7 +81,7 @@ def test_a_corrupted_delta_is_refused_whole_and_the_next_version_goes_whole(two_
 def test_a_delta_against_a_version_the_server_does_not_hold_is_refused(two_servers, monkeypatch):
     """The trainer is made to believe a server committed a version it refused: the server's own
     check (the committed version it holds) refuses the delta, and the next version goes whole."""
-    corrupt = CorruptOneDelta(monkeypatch)
+    corrupt = CorruptNextDelta(monkeypatch)
     model = mixed_dtype_model(TINY)
     urls = [s.url for s in two_servers]
     v = next_version(two_servers)

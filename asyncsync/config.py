@@ -20,6 +20,8 @@ DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
 TRANSPORTS = ("auto", "collective", "shm")
 DELTA_MODES = ("auto", "off")
 LORA_MODES = ("merged", "adapter")
+VERIFY_MODES = ("off", "logprobs")
+DIVERGENCE_POLICIES = ("report", "evict")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,55}$")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
@@ -163,6 +165,10 @@ class WeightSyncConfig:
     layout: str = "checkpoint"
     lora: str = "merged"
     lora_name: str = "policy"
+    verify: str = "off"
+    verify_every: int = 10
+    verify_tolerance: float | None = None
+    on_divergence: str = "report"
 
     def __post_init__(self) -> None:
         if self.delta not in DELTA_MODES:
@@ -180,6 +186,22 @@ class WeightSyncConfig:
         if not isinstance(self.lora_name, str) or not _ADAPTER_NAME.match(self.lora_name):
             raise ConfigError(f"lora_name: {self.lora_name!r}: expected 1-56 letters, digits, '.', '_' or '-' (versions are "
                               "served as <lora_name>-v<N>)")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify: {self.verify!r} is not one of {list(VERIFY_MODES)} (logprobs: at connect and every "
+                              "verify_every versions each server scores a probe the trainer scores too; off: bytes only)")
+        if self.verify != "off" and self.lora == "adapter":
+            raise ConfigError("verify: logprobs checks the weights a server serves; with lora: adapter each version is an "
+                              "adapter the engine loads under its own name: use verify: off")
+        if not isinstance(self.verify_every, int) or isinstance(self.verify_every, bool) or self.verify_every < 1:
+            raise ConfigError(f"verify_every: expected a whole number of versions >= 1, got {self.verify_every!r}")
+        if self.verify_tolerance is not None and (not isinstance(self.verify_tolerance, (int, float)) or
+                                                  isinstance(self.verify_tolerance, bool) or
+                                                  not 0 < self.verify_tolerance < float("inf")):
+            raise ConfigError(f"verify_tolerance: expected a positive number (nats of log-probability), or null for "
+                              f"the weights' dtype's default, got {self.verify_tolerance!r}")
+        if self.on_divergence not in DIVERGENCE_POLICIES:
+            raise ConfigError(f"on_divergence: {self.on_divergence!r} is not one of {list(DIVERGENCE_POLICIES)} (report: an "
+                              "event, an error and a counter; evict: also evict the server, as a dead one)")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
                               "servers on this host, the data-plane group for the others)")

@@ -68,6 +68,7 @@ class SyncMetrics:
         # Bytes each server holds beside its live weights to receive versions (vLLM: a staging arena
         # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
         self.receiver_staging_bytes: dict[str, int] = {}
+        self.checks: dict[str, tuple[float, bool]] = {}  # server -> (largest logprob difference, diverged) at its last check
         self.last: SyncResult | None = None
         self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
         self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
@@ -90,6 +91,10 @@ class SyncMetrics:
                                    "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
                                 ["server"], registry=r)
+        self._p_diverged = Counter("asyncsync_divergences", "Checks (verify: logprobs) a server failed", ["server"],
+                                   registry=r)
+        self._p_logprob = Gauge("asyncsync_logprob_max_diff", "Largest |trainer - server| log-probability at each "
+                                "server's last check (verify: logprobs)", ["server"], registry=r)
         self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
                                ["server"], registry=r)
 
@@ -103,6 +108,14 @@ class SyncMetrics:
         with self._lock:
             self.events.append(SyncEvent(kind, server, version, detail, time.time()))
         self._p_events.labels(kind).inc()
+
+    def checked(self, server: str, max_diff: float, diverged: bool) -> None:
+        """A ``verify: logprobs`` check of ``server``: its largest difference, and whether it diverged."""
+        with self._lock:
+            self.checks[server] = (max_diff, diverged)
+        self._p_logprob.labels(server).set(max_diff)
+        if diverged:
+            self._p_diverged.labels(server).inc()
 
     def stalled(self, seconds: float) -> None:
         with self._lock:
@@ -149,6 +162,7 @@ class SyncMetrics:
                 "host_buffer_bytes": self.host_buffer_bytes, "conversion_bytes": self.conversion_bytes,
                 "baseline_bytes": self.baseline_bytes,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
+                "checks": {u: {"max_diff": d, "diverged": x} for u, (d, x) in self.checks.items()},
                 "events": [asdict(e) for e in self.events],
             }
 

@@ -124,6 +124,19 @@ def generate(
     return torch.cat(completions, dim=1).tolist()
 
 
+@torch.no_grad()
+def score(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    """The log-probability of each of ``tokens[1:]`` given the tokens before it, in float64: one forward
+    of the model (a transformers causal LM; a sharded one called on every rank, as its forward needs).
+    What ``verify: logprobs`` compares between the trainer and its servers."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([tokens], dtype=torch.long, device=device)).logits
+    if hasattr(logits, "full_tensor"):  # a DTensor (a tensor-parallel head)
+        logits = logits.full_tensor()
+    logprobs = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+    return logprobs.gather(1, torch.tensor(tokens[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+
+
 def cache_argument(model: torch.nn.Module) -> str:
     """The name transformers gives the KV cache in ``forward`` and its outputs: ``cache`` from 5.20 on
     (``past_key_values`` is deprecated there, with a warning at every call), ``past_key_values`` before."""

@@ -77,7 +77,7 @@ DATA_PLANE_ROUTES = frozenset({"/init_group", "/update", "/end", "/init_weights_
                                "/begin_weight_update", "/end_weight_update", "/update_adapter", "/end_adapter"})
 GET_ROUTES = ("/health", "/version", "/world_size", "/host", "/weights/digest", "/weights/names", "/model_info",
               "/get_model_info", "/server_info", "/get_server_info", "/ready", "/v1/models")
-POST_ROUTES = ("/generate", "/claim", "/release", "/check_layout", "/init_group", "/begin", "/update", "/end",
+POST_ROUTES = ("/generate", "/score", "/claim", "/release", "/check_layout", "/init_group", "/begin", "/update", "/end",
                "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
                "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation",
                "/check_adapter", "/check_base", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter",
@@ -194,6 +194,7 @@ class Context:
         port = self.silent_port
         self.templates = {
             "/generate": {"prompt": [1, 2, 3], "max_new_tokens": 3, "n": 2, "temperature": 0.8, "seed": 3},
+            "/score": {"tokens": [1, 2, 3, 4]},
             "/claim": {"session": OWNER, "takeover": False},
             "/release": {},
             "/init_group": InitGroupRequest(GroupSpec("127.0.0.1", port, 2, "fuzz", "gloo", 0.3), 1).to_json(),

@@ -50,6 +50,7 @@ def build(family: str) -> torch.nn.Module:
                                   n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=96,
                                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1)
         cfg.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this routing
+        cfg.scoring_func = "sigmoid"  # what transformers computes; vLLM reads it (default softmax), as published configs have it
         return tf.DeepseekV3ForCausalLM(cfg)
     if family == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON))

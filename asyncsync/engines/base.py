@@ -40,6 +40,16 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Scored:
+    """What a server computed for a probe ``tokens``: the log-probability of each of ``tokens[1:]``
+    given the tokens before it, and the version it served throughout (None: it switched meanwhile,
+    so the scores belong to no one version)."""
+
+    logprobs: tuple[float, ...]
+    version: int | None
+
+
+@dataclass(frozen=True)
 class DataPlaneProtocol:
     """How a kind of receiver takes part in its data-plane group. The trainer builds one group per
     protocol (servers whose protocols are equal share it) and broadcasts every bucket into each."""
@@ -81,6 +91,7 @@ class EngineClient(ABC):
             # or, when begin/update/end failed or missed its deadline:
             await client.abort(version)               # undo whatever begin left open
         gen = await client.generate(prompt, n, ...)   # rollouts, tagged with the version used
+        scored = await client.score(tokens)           # verify: logprobs: what the engine computes
         await client.release()                        # the server may serve another trainer now
         await client.close()
 
@@ -200,6 +211,11 @@ class EngineClient(ABC):
         """Sample ``n`` completions of exactly ``max_new_tokens`` tokens (no early stop at EOS), with
         the adapter version named ``adapter`` (``<name>-v<N>``: the rollout's version is N), or the
         weights the server serves."""
+
+    async def score(self, tokens: list[int]) -> Scored:
+        """The server's own log-probabilities of ``tokens[1:]`` (``verify: logprobs``), computed by the
+        engine with the weights it serves, as it would sample; ``UnsupportedServer`` where it cannot."""
+        raise UnsupportedServer(self.url, f"{self.kind} servers cannot score tokens: use verify: off")
 
     # -- lora: adapter ----------------------------------------------------------------------------
 

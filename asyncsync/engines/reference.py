@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.engines.base import EngineClient, Generation, UnsupportedServer
+from asyncsync.engines.base import EngineClient, Generation, Scored, UnsupportedServer
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import (
@@ -93,6 +93,11 @@ class ReferenceEngine(EngineClient):
                 "adapter": adapter}
         out = await self.http.post("/generate", body)
         return Generation(out["completions"], int(out["weight_version"]))
+
+    async def score(self, tokens: list[int]) -> Scored:
+        """``POST /score``: the served model's log-probabilities, under the lock one version serves by."""
+        out = await self.http.post("/score", {"tokens": tokens})
+        return Scored(tuple(float(x) for x in out["logprobs"]), int(out["weight_version"]))
 
     # -- lora: adapter (receivers/reference/adapters.py) --------------------------------------------
 

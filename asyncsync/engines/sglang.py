@@ -52,7 +52,7 @@ from typing import Any
 
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import (
-    DataPlaneProtocol, EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version, served_versions,
+    DataPlaneProtocol, EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version, served_versions,
 )
 from asyncsync.engines.reference import ReferenceEngine
 from asyncsync.protocol.lora import AdapterCheck, BaseCheck, adapter_targets, parse_version_name
@@ -227,6 +227,9 @@ class SglangEngine(EngineClient):
         forwarded: SGLang's sampling-seed parameter is not the same across versions."""
         return await sglang_generate(self.http, self.url, prompt, n, max_new_tokens, temperature, adapter)
 
+    async def score(self, tokens: list[int]) -> Scored:
+        return await sglang_score(self.http, self.url, tokens)
+
     async def close(self) -> None:
         try:
             await self._destroy_group(timeout_s=CLOSE_TIMEOUT_S)
@@ -258,6 +261,22 @@ async def sglang_generate(http: HttpClient, url: str, prompt: list[int], n: int,
     outputs = await http.post("/generate", body)
     versions = [parse_weight_version(url, o.get("meta_info", {}).get("weight_version", before)) for o in outputs]
     return Generation([o["output_ids"] for o in outputs], min(versions), exact=False)
+
+
+async def sglang_score(http: HttpClient, url: str, tokens: list[int]) -> Scored:
+    """SGLang's ``/generate`` with ``return_logprob`` from ``logprob_start_len: 0``: its
+    ``meta_info.input_token_logprobs`` is one ``[logprob, token_id, text]`` per prompt token, the first
+    without a logprob; the version is ``meta_info.weight_version`` where reported, checked against
+    ``/model_info`` before the request."""
+    before = parse_weight_version(url, (await http.get("/model_info"))["weight_version"])
+    out = await http.post("/generate", {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
+                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    meta = (out[0] if isinstance(out, list) else out)["meta_info"]
+    entries = meta["input_token_logprobs"][-(len(tokens) - 1):]
+    if [int(e[1]) for e in entries] != tokens[1:]:
+        raise ServerError(url, "/generate scored other tokens than the probe's")
+    version = parse_weight_version(url, meta.get("weight_version", before))
+    return Scored(tuple(float(e[0]) for e in entries), version if version == before else None)
 
 
 class SglangAdapterEngine(ReferenceEngine):

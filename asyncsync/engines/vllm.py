@@ -50,7 +50,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from asyncsync.config import ServerConfig
-from asyncsync.engines.base import EngineClient, Generation, Phase, UnsupportedServer, parse_weight_version
+from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version
 from asyncsync.protocol.arena import vllm_staging
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
@@ -285,6 +285,17 @@ class VllmEngine(EngineClient):
         after = await self.version()
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return Generation([c["token_ids"] for c in choices], before, exact=before == after and self.server.pause)
+
+    async def score(self, tokens: list[int]) -> Scored:
+        """``/v1/completions`` with the tokens as the prompt and ``prompt_logprobs: 0`` (vLLM's own
+        log-probability of each prompt token, as its sampler would see it), between two ``/weight_info``."""
+        before = await self.version()
+        out = await self.http.post("/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0.0,
+                                                        "prompt_logprobs": 0})
+        after = await self.version()
+        entries = out["choices"][0]["prompt_logprobs"]
+        logprobs = tuple(float(entries[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i)
+        return Scored(logprobs, before if before == after else None)
 
     def _spans(self, out: dict[str, Any]) -> Generation:
         choices = sorted(out["choices"], key=lambda c: c["index"])

@@ -43,6 +43,7 @@ from asyncsync.trainer.shards import Encoded, ShardedBuffers, ShardLayout, Sourc
 from asyncsync.trainer.source import (Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted,
                                       weights_device)
 from asyncsync.trainer.streams import StreamSet
+from asyncsync.trainer.verify import ServedCheck
 from asyncsync.trainer.worker import Sender, SyncWorker
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.control import ControlLoop
@@ -94,7 +95,8 @@ class WeightSync:
         self.runtime: Runtime | None = None
         self._last_version = 0
         self._versions_at_close: dict[str, int] = {}
-        self._errors_at_close: list[str] = []
+        self._errors: list[str] = []  # blocking mode's (a failed check), and async mode's after close
+        self._check: ServedCheck | None = None  # verify: logprobs (trainer/verify.py)
         self._loads: AdapterLoads | None = None  # lora: adapter: rank 0's loads of each version into the engines
         self._base_pools: list[SegmentPool] = []  # the base's segments same-host servers serve from (lora: adapter)
         self.session = new_session()  # the trainer session that owns the servers from connect() to close()
@@ -212,6 +214,7 @@ class WeightSync:
             if adapter is not None:
                 self._start_loads(adapter)
             self._allocate(plan, named, owners, delta)
+            self._start_check(model)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
                 self._tell_followers(("failed", f"{type(e).__name__}: {e}"))
@@ -225,6 +228,31 @@ class WeightSync:
         log.info("connected: %s mode, rank %d of %d, pack backend %s, %d bucket(s), %.1f MB of sync buffers on the "
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", ranks.rank,
                  ranks.world, self._packer.name, len(plan.buckets), self.buffer_bytes / 1e6, self.host_buffer_bytes / 1e6)
+
+    def _start_check(self, model: Weights) -> None:
+        """``verify: logprobs``: the check, and its first run, on what the servers serve at connect
+        (every rank scores the probe; rank 0 asks the servers)."""
+        try:
+            self._check = ServedCheck.of(self.config, model, self.metrics, self._report)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self._check is not None:
+            self._check.expect(model, 0)
+            for m in self._members:
+                self._check.run(m, 0, m.member_versions())
+
+    def _checked(self, members: Membership, result: SyncResult) -> SyncResult:
+        """Rank 0, once ``result``'s version is live: the check, where it is due (``trainer/verify.py``)."""
+        if self._check is not None:
+            self._check.run(members, result.version,
+                            {u: v for u, v in result.server_versions.items() if v == result.version})
+        return result
+
+    def _report(self, error: str) -> None:
+        if self._worker is not None:
+            self._worker.report(error)
+        else:
+            self._errors.append(error)
 
     def _adapter_of(self, model: Weights, held: dict[str, Any], convert: Convert | None
                     ) -> tuple[Adapter | None, WeightLayout | None]:
@@ -427,7 +455,8 @@ class WeightSync:
                 self._baseline = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, delta=True)
             return
         if self.ranks.leader:
-            senders: list[Sender] = [lambda v, src, res, m=m: send_version(m, v, plan, src, res, self._loads)
+            senders: list[Sender] = [lambda v, src, res, m=m: self._checked(m, send_version(m, v, plan, src, res,
+                                                                                          self._loads))
                                      for m in self._members]
             served = lambda needed: lowest_member_version(self._members, needed)  # noqa: E731
             reachable = lambda: any(m.reachable() for m in self._members)  # noqa: E731
@@ -493,6 +522,8 @@ class WeightSync:
         ``events`` say which server missed it and why."""
         if not self._connected:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
+        if self._check is not None:
+            self._check.expect(model, version)  # a forward of the probe, when the check is due
         if self._worker is not None:
             self._worker.publish(self._reader.read(model), version)  # the view is read here, on the trainer's thread
             return None
@@ -512,7 +543,8 @@ class WeightSync:
         self.metrics.count("published")
         try:
             if self.ranks.leader:  # blocking mode has one membership
-                result = send_version(self._members[0], version, self.plan, source, result, self._loads)
+                result = self._checked(self._members[0], send_version(self._members[0], version, self.plan, source,
+                                                                       result, self._loads))
                 if self._loads is not None:
                     self._await_loads(result)
             else:
@@ -630,7 +662,7 @@ class WeightSync:
         """Versions the background worker could not send for a reason on the trainer's side (a layout
         that changed, an exception in a sender), oldest first. Servers' failures are in ``events``;
         blocking mode raises trainer-side problems from ``publish`` instead. Kept after ``close``."""
-        return self._worker.errors if self._worker else list(self._errors_at_close)
+        return self._worker.errors if self._worker else list(self._errors)
 
     def prometheus_text(self) -> str:
         return self.metrics.prometheus_text()
@@ -642,10 +674,10 @@ class WeightSync:
         lost = self._lost
         if self._worker is not None:
             self._worker.close()
-            self._errors_at_close = self._worker.errors
-            if self._errors_at_close:
-                log.error("%d version(s) could not be sent (sync.errors): the last: %s", len(self._errors_at_close),
-                          self._errors_at_close[-1])
+            self._errors = self._worker.errors
+            if self._errors:
+                log.error("%d version(s) could not be sent (sync.errors): the last: %s", len(self._errors),
+                          self._errors[-1])
             lost = lost or self._worker.lost
             self._worker = None
         if self._connected and self.ranks.world > 1 and lost is None:  # connected: the ranks part together

@@ -176,6 +176,11 @@ class SyncWorker:
         with self._cond:
             return list(self._s.errors)
 
+    def report(self, error: str) -> None:
+        """Add ``error`` to ``errors`` (a check of a sent version that failed: ``trainer/verify.py``)."""
+        with self._cond:
+            self._s.errors.append(error)
+
     def _decided(self) -> None:
         """(Holding the lock.) The boundary: the last published version is taken or skipped now."""
         if self._s.last_snapshot < self._s.last_published:

@@ -104,6 +104,7 @@ class Membership:
         # is its version (``server_versions``), not its weights' version.
         self.adapter: str | None = None
         self._next_probe = 0.0
+        self._expelled: dict[str, str] = {}  # members to evict when the next version starts (``expel``)
         multi = all(e.protocol.multi_group for e in self.engines)
         self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
 
@@ -308,6 +309,22 @@ class Membership:
             self.metrics.event("evicted", url, None, reason)
             log.warning("evicted %s: %s", url, reason)
         self.evicted[url] = reason
+
+    def expel(self, url: str, reason: str) -> None:
+        """Evict a member between versions, not during one (``verify``'s ``on_divergence: evict``): it is
+        evicted, and the groups rebuilt without it, when the next version starts (``settle``)."""
+        self._expelled[url] = reason
+
+    def settle(self) -> None:
+        """At the start of a version: evict the members ``expel`` named (readmitted, as any evicted
+        server, once ``readmit_interval_s`` passed and it answers)."""
+        if not self._expelled:
+            return
+        out, self._expelled = self._expelled, {}
+        for url, reason in out.items():
+            self.evict(url, reason)
+        self._next_probe = time.monotonic() + self.config.readmit_interval_s
+        self.form([e for e in self.members if e.url not in out])
 
     def _drop_unreachable(self, engines: list[EngineClient], answers: dict[str, Any]) -> list[EngineClient]:
         """Evict the engines whose answer is a failure; return the others."""

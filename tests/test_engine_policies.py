@@ -178,3 +178,52 @@ def test_policies_are_validated_per_server():
     with pytest.raises(ConfigError, match=r"servers\[0\]\.pause: false lets vLLM switch versions under running "
                                           r"requests.*set mix_versions: true"):
         WeightSyncConfig.from_dict({"servers": [{"url": "http://127.0.0.1:1", "kind": "vllm", "pause": False}]})
+
+
+class FakeVllm033:
+    """Rollouts as vLLM 0.33 answers them: while ``paused_for`` more requests, 503 "Generation is
+    paused" (``engine_paused``, never scheduled); ``/v1/completions`` reports ``weight_versions`` spans
+    when asked (``return_weight_versions``). A 503 of another kind is answered for ``/fail``."""
+
+    def __init__(self, paused_for: int):
+        self.paused_for, self.completions = paused_for, 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        if request.path == "/inference/v1/generate":
+            return web.json_response({"detail": "Not Found"}, status=404)  # no --enable-scale-out
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": "7"})
+        if self.paused_for > 0:
+            self.paused_for -= 1
+            return web.json_response({"error": {"message": "Generation is paused. Please retry after it resumes.",
+                                                "type": "ServiceUnavailableError", "code": 503}}, status=503)
+        self.completions += 1
+        spans = [{"version": "7", "start": 0, "end": 4}] if body.get("return_weight_versions") else None
+        return web.json_response({"choices": [{"index": 0, "token_ids": [1, 2, 3, 4], "weight_versions": spans}]})
+
+
+async def test_a_paused_vllm_033_is_asked_again_and_its_spans_make_the_rollout_exact():
+    fake = FakeVllm033(paused_for=3)
+    server = await serve_every_path(fake.handle)
+    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm"), 10)
+    try:
+        gen = await engine.generate([5, 6], 1, 4, 0.0, 0)
+        assert (gen.completions, gen.version, gen.exact) == ([[1, 2, 3, 4]], 7, True)
+        assert fake.completions == 1 and fake.paused_for == 0, "sent again until vLLM took it, once"
+    finally:
+        await engine.close()
+        await server.close()
+
+
+async def test_a_server_paused_past_the_deadline_fails_the_rollout_with_vllms_answer():
+    fake = FakeVllm033(paused_for=10**6)
+    server = await serve_every_path(fake.handle)
+    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="vllm"), 1.5)
+    try:
+        with pytest.raises(ServerError, match="Generation is paused"):
+            await engine.generate([5, 6], 1, 4, 0.0, 0)
+        assert fake.completions == 0
+    finally:
+        await engine.close()
+        await server.close()

@@ -525,3 +525,39 @@ def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():
 
     with pytest.raises(VersionRejected, match=r"version 7 rejected: tied module\(s\) .* lm_head \(Module, CopyingMethod\)"):
         TiedModules(tied_model(head_supports_pre_processed=False)).check(7)
+
+
+def test_the_experts_kernel_step_is_rerun_only_where_vllms_reload_skipped_it():
+    """In-process, with vLLM's own method classes: a MoE layer of ``UnquantizedFusedMoEMethod`` (whose
+    reload skips its kernel's step: the CPU prepack) has the step re-run after a load; a quantized
+    method's layer (which re-runs its own on reload, and whose NVFP4 steps multiply scales in place) is
+    left alone, as is a layer with no method."""
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    from asyncsync.receivers.vllm.experts import ExpertKernels
+
+    steps: list[str] = []
+
+    def layer(name: str, method_cls: type | None) -> torch.nn.Module:
+        m = torch.nn.Module()
+        if method_cls is not None:
+            method = object.__new__(method_cls)  # only its class matters to the rule
+            if isinstance(method, torch.nn.Module):  # vLLM's CustomOp methods are modules
+                torch.nn.Module.__init__(method)
+            method.moe_kernel = SimpleNamespace(
+                fused_experts=SimpleNamespace(process_weights_after_loading=lambda layer: steps.append(name)))
+            m.quant_method = method
+        return m
+
+    model = torch.nn.Module()
+    model.unquantized, model.fp8, model.plain = (layer("unquantized", UnquantizedFusedMoEMethod),
+                                                 layer("fp8", Fp8MoEMethod), layer("plain", None))
+    kernels = ExpertKernels(model)
+    assert [name for name, _ in kernels.layers] == ["unquantized"]
+    kernels.reprocess()
+    kernels.reprocess()
+    assert steps == ["unquantized", "unquantized"]

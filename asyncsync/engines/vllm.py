@@ -74,6 +74,7 @@ class VllmEngine(EngineClient):
         self._held_s = 0.0  # of the version in progress: time vLLM's engine was held for it
         self._open = False  # vLLM's worker has an update session open (started, not yet finished)
         self._scale_out: bool | None = None  # whether SCALE_OUT_GENERATE is served (None: not asked yet)
+        self._weight_versions: bool | None = None  # whether completions report weight_versions (vLLM 0.33)
 
     @property
     def receives_in_background(self) -> bool:
@@ -257,33 +258,45 @@ class VllmEngine(EngineClient):
 
     async def generate(self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int,
                        adapter: str | None = None) -> Generation:
-        """``/inference/v1/generate`` where the server has it (``--enable-scale-out``): vLLM reports
-        which weight version sampled each token, so the rollout's version is exact (with ``pause``,
-        which switches the label together with the weights). Otherwise ``/v1/completions``, tagged
-        with the version served before the request; exact when it is also served after it (versions
-        only increase, and with ``pause`` the label changes only with the weights). With ``adapter``
-        (``<name>-v<N>``), a completion of that adapter version: exactly version N."""
+        """``/inference/v1/generate`` where the server has it (``--enable-scale-out``), or
+        ``/v1/completions`` with ``return_weight_versions`` where it reports them (vLLM 0.33): vLLM
+        says which weight version sampled each token, so the rollout's version is exact (with
+        ``pause``, which switches the label together with the weights). Otherwise (vLLM 0.32's
+        completions) the rollout is tagged with the version served before the request; exact when it
+        is also served after it (versions only increase, and with ``pause`` the label changes only with
+        the weights). With ``adapter`` (``<name>-v<N>``), a completion of that adapter version: exactly
+        version N. A request vLLM answers "Generation is paused" (0.33, while a version is switched
+        in) was never scheduled: it is sent again until the call's deadline (``paused``)."""
         sampling = {"n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "ignore_eos": True}
         if adapter is not None:
             out = await self.http.post("/v1/completions", {"model": adapter, "prompt": prompt, **sampling,
-                                                           "return_token_ids": True})
+                                                           "return_token_ids": True}, retry_while=paused)
             choices = sorted(out["choices"], key=lambda c: c["index"])
             return Generation([c["token_ids"] for c in choices], parse_version_name(adapter) or 0)
         if self._scale_out is not False:
             try:
-                out = await self.http.post(SCALE_OUT_GENERATE, {"token_ids": prompt, "sampling_params": sampling})
+                out = await self.http.post(SCALE_OUT_GENERATE, {"token_ids": prompt, "sampling_params": sampling},
+                                           retry_while=paused)
                 self._scale_out = True
                 return self._spans(out)
             except ServerError as e:
                 if self._scale_out or e.status not in (403, 404):
                     raise
                 self._scale_out = False
-                log.info("%s serves no %s (start vLLM with --enable-scale-out): rollout versions are bounds",
-                         self.url, SCALE_OUT_GENERATE)
-        before = await self.version()
-        out = await self.http.post("/v1/completions", {"prompt": prompt, **sampling, "return_token_ids": True})
-        after = await self.version()
+                log.info("%s serves no %s (start vLLM with --enable-scale-out): rollout versions come from "
+                         "/v1/completions", self.url, SCALE_OUT_GENERATE)
+        spans = self._weight_versions is not False
+        before = None if self._weight_versions else await self.version()
+        body = {"prompt": prompt, **sampling, "return_token_ids": True}
+        out = await self.http.post("/v1/completions", {**body, "return_weight_versions": True} if spans else body,
+                                   retry_while=paused)
         choices = sorted(out["choices"], key=lambda c: c["index"])
+        if spans and self._weight_versions is None:  # asked once: vLLM 0.32 ignores the field (and logs it)
+            self._weight_versions = all(c.get("weight_versions") for c in choices)
+        if self._weight_versions:
+            return self._spans(out)
+        after = await self.version()
+        assert before is not None
         return Generation([c["token_ids"] for c in choices], before, exact=before == after and self.server.pause)
 
     async def score(self, tokens: list[int]) -> Scored:
@@ -291,7 +304,7 @@ class VllmEngine(EngineClient):
         log-probability of each prompt token, as its sampler would see it), between two ``/weight_info``."""
         before = await self.version()
         out = await self.http.post("/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0.0,
-                                                        "prompt_logprobs": 0})
+                                                        "prompt_logprobs": 0}, retry_while=paused)
         after = await self.version()
         entries = out["choices"][0]["prompt_logprobs"]
         logprobs = tuple(float(entries[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i)
@@ -304,6 +317,12 @@ class VllmEngine(EngineClient):
             raise ServerError(self.url, f"{SCALE_OUT_GENERATE} reported no weight versions for the completions")
         return Generation([c["token_ids"] for c in choices], min(versions),
                           exact=len(versions) == 1 and self.server.pause)
+
+
+def paused(error: ServerError) -> bool:
+    """vLLM 0.33's answer to a request that arrives while generation is paused (HTTP 503, error code
+    ``engine_paused``): it was never scheduled, so sending it again is safe. vLLM 0.32 queued it."""
+    return error.status == 503 and "Generation is paused" in str(error.detail)
 
 
 def worker_error(detail: str) -> str:

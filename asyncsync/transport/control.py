@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -128,10 +128,13 @@ class HttpClient:
 
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None,
                       timeout_s: float | None = None, idempotent: bool = False,
-                      params: Mapping[str, str] | None = None) -> Any:
+                      params: Mapping[str, str] | None = None,
+                      retry_while: Callable[[ServerError], bool] | None = None) -> Any:
         """Call ``path`` and return the decoded JSON (or text, or None for an empty body).
 
-        The deadline ``timeout_s`` bounds the whole call, retries included.
+        The deadline ``timeout_s`` bounds the whole call, retries included. ``retry_while``: an answer
+        that says the call was not run and may be repeated (a paused engine's), retried until the
+        deadline whatever the call.
         """
         deadline = time.monotonic() + (timeout_s or self._timeout_s)
         attempt = 0
@@ -141,7 +144,9 @@ class HttpClient:
             except ServerError as e:
                 attempt += 1
                 pause = self._retry.delay(attempt - 1)
-                if not (idempotent and e.transient) or attempt >= self._retry.attempts or time.monotonic() + pause >= deadline:
+                again = (idempotent and e.transient and attempt < self._retry.attempts) or \
+                    (retry_while is not None and retry_while(e))
+                if not again or time.monotonic() + pause >= deadline:
                     raise
                 log.info("%s: retrying %s %s in %.2fs (attempt %d of %d): %s",
                          self.base_url, method, path, pause, attempt + 1, self._retry.attempts, e)
@@ -168,9 +173,10 @@ class HttpClient:
         return await self.request("GET", path, None, timeout_s, idempotent=True, params=params)
 
     async def post(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None,
-                   params: Mapping[str, str] | None = None, idempotent: bool = False) -> Any:
+                   params: Mapping[str, str] | None = None, idempotent: bool = False,
+                   retry_while: Callable[[ServerError], bool] | None = None) -> Any:
         """``idempotent=True`` only for a call that is harmless to repeat, such as resuming generation."""
-        return await self.request("POST", path, body, timeout_s, idempotent, params)
+        return await self.request("POST", path, body, timeout_s, idempotent, params, retry_while)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -7,11 +7,18 @@ CPU it prepacks ``w13_weight`` / ``w2_weight`` into its grouped-GEMM layout. On 
 reloaded weights into place but skips that step (``UnquantizedFusedMoEMethod._setup_kernel``: "Setup
 moe kernel only on the first call"), so on CPU the kernel reads plain weights as if they were
 prepacked: every version is reported loaded, and the engine decodes with weights of no version
-(seen here: even the original checkpoint sent back gave other tokens). GPU kernels have no such
-step (its default is a no-op), so re-running it there changes nothing.
+(seen here: even the original checkpoint sent back gave other tokens).
 
-The rule this module implements: after a version is loaded, every MoE layer the load reached has
-its kernel's step re-run on the reloaded weights, as the first load ran it.
+Only the unquantized method skips it. Quantized MoE methods re-run their kernel's step themselves on
+reload (vLLM 0.33, read in its source), and several of those steps are not idempotent (NVFP4's
+``w13_weight_scale_2.mul_(w13_input_scale)`` in ``fused_moe/experts/cutlass_moe.py``, the FlashInfer
+CUTLASS / CuteDSL and TRT-LLM NVFP4 experts): running them twice would multiply the scales twice per
+version. GPU kernels of the unquantized method have steps too (weights shuffled to a runtime layout
+on ROCm AITER, for one), which the skip leaves as stale as the CPU prepack.
+
+The rule this module implements: after a version is loaded, every MoE layer whose method is vLLM's
+``UnquantizedFusedMoEMethod`` (or a subclass) has its kernel's step re-run on the reloaded weights, as
+the first load ran it; no other method's.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ class ExpertKernels:
 
 
 def _kernel_step(layer: torch.nn.Module):  # noqa: ANN202 - vLLM's bound method
-    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
+    """The kernel step the reload skipped: only an unquantized method's (the module doc)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    method = getattr(layer, "quant_method", None)
+    if not isinstance(method, UnquantizedFusedMoEMethod):
+        return None
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
     return getattr(experts, "process_weights_after_loading", None)

@@ -124,6 +124,7 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
                     check_served(urls, v, full)
     finally:
         sync.close()
+    report["checks"] = {u: d for u, (d, _) in sync.metrics.checks.items()}  # verify: logprobs (rank 0's)
     assert sync.errors == [], sync.errors
     if rank == 0:
         check_served(urls, first + versions - 1, full)

@@ -227,3 +227,31 @@ async def test_a_server_paused_past_the_deadline_fails_the_rollout_with_vllms_an
     finally:
         await engine.close()
         await server.close()
+
+
+async def test_sglang_scores_a_probe_from_its_input_token_logprobs():
+    """SGLang's ``/generate`` with ``return_logprob`` from ``logprob_start_len: 0`` answers, in
+    ``meta_info.input_token_logprobs``, one ``(logprob, token_id, text)`` per prompt token, the first
+    without a logprob (``tokenizer_manager.detokenize_logprob_tokens`` in the sglang 0.5.23 wheel)."""
+    asked: list[dict] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == "/model_info":
+            return web.json_response({"weight_version": "4"})
+        body = await request.json()
+        asked.append(body)
+        ids = body["input_ids"]
+        entries = [[None, ids[0], None]] + [[-0.5 * i, t, None] for i, t in enumerate(ids[1:], 1)]
+        return web.json_response({"output_ids": [0], "meta_info": {"input_token_logprobs": entries,
+                                                                   "weight_version": "4"}})
+
+    server = await serve_every_path(handle)
+    engine = make_engine(ServerConfig(str(server.make_url("")).rstrip("/"), kind="sglang"), 10)
+    try:
+        scored = await engine.score([7, 8, 9])
+        assert scored.logprobs == (-0.5, -1.0) and scored.version == 4
+        assert asked == [{"input_ids": [7, 8, 9], "return_logprob": True, "logprob_start_len": 0,
+                          "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}]
+    finally:
+        await engine.close()
+        await server.close()

@@ -43,16 +43,25 @@ def reports(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
 def test_every_rank_publishes_and_servers_get_the_unsharded_model_bit_exactly(moe_servers):
     """Blocking, async with the snapshot on the device and in host memory, the funnel mode, and a
     mapping of DTensors on a 2-D mesh: over several versions with optimizer steps between, every
-    server serves the bytes of the same model unsharded (checked on rank 0 against ``full_tensor()``)."""
+    server serves the bytes of the same model unsharded (checked on rank 0 against ``full_tensor()``).
+    The first two also run ``verify: logprobs``: every rank scores the probe with its own forward (FSDP2
+    needs them all), rank 0 compares, and every server computes what the trainer holds."""
     urls = [s.url for s in moe_servers]
     scenarios = [
-        ("train", dict(label="blocking", first=1, versions=3, async_weight_update=False)),
-        ("train", dict(label="async_device", first=4, versions=3, async_weight_update=True)),
+        ("train", dict(label="blocking", first=1, versions=3, async_weight_update=False, verify="logprobs",
+                       verify_every=1)),
+        ("train", dict(label="async_device", first=4, versions=3, async_weight_update=True, verify="logprobs",
+                       verify_every=2)),
         ("train", dict(label="async_host", first=7, versions=2, async_weight_update=True, snapshot="host")),
         ("train", dict(label="funnel", first=9, versions=2, async_weight_update=False, funnel=True)),
         ("mesh_2d", dict(version=11)),
     ]
-    for rank, report in enumerate(reports(run_ranks(urls, scenarios))):
+    outcomes = reports(run_ranks(urls, scenarios))
+    for label in ("blocking", "async_device"):  # verify: logprobs on the ranks' own forward, silent (no errors)
+        checks = outcomes[0][label]["checks"]
+        assert set(checks) == set(urls) and max(checks.values()) < 1e-4, checks
+        assert outcomes[1][label]["checks"] == {}, "only rank 0 asks the servers"
+    for rank, report in enumerate(outcomes):
         for label in ("blocking", "async_device", "async_host", "funnel"):
             m = report[label]
             bucket, local = m["bucket_bytes"], m["local_bytes"]

@@ -97,6 +97,7 @@ class ServedCheck:
             log.warning("verify: version %d was published as tensors, not the module: not checked", version)
             return
         expected = score(model, self.tokens)
+        _reshard(model)
         with self._lock:
             self._expected[version] = expected
             for old in sorted(self._expected)[:-MAX_PENDING]:
@@ -142,3 +143,16 @@ class ServedCheck:
         log.error("verify: %s", what)
         if self.evict:
             members.expel(url, f"diverged: {what}")
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put an FSDP2 model's parameters back to their shards after the probe's forward: a forward with
+    no backward after it leaves the root's unsharded (FSDP2 reshards them in backward), and the sync
+    reads every rank's shards right after."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -219,8 +219,8 @@ def _exit_now() -> None:
 
     for child in multiprocessing.active_children():
         child.kill()
-    if "asyncsync.receivers.vllm.launch" in sys.modules:
-        sys.modules["asyncsync.receivers.vllm.launch"].kill_all()
+    if "asyncsync.launch.vllm" in sys.modules:
+        sys.modules["asyncsync.launch.vllm"].kill_all()
     os._exit(130)
 
 

@@ -3,10 +3,7 @@ exercised on all of it; reference servers in child processes; a rogue trainer.""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,14 +11,15 @@ from typing import Any
 import torch
 
 from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
+from asyncsync.launch.http import http_call
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.frames import FrameHeader
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.wire import SESSION_HEADER, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference.app import Faults
-from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.launch.reference import ServerProcess, running
 from asyncsync.transport.topology import TrainerGroups
 
 __all__ = ["Faults", "RogueTrainer", "ServerProcess", "http_call", "mixed_dtype_model", "running"]
@@ -36,24 +34,6 @@ def mixed_dtype_model(cfg: ModelConfig) -> torch.nn.Module:
     model.register_buffer("token_counts", torch.zeros(cfg.vocab_size, dtype=torch.int64))
     model.register_buffer("temperature_scale", torch.tensor(1.0))
     return model
-
-
-def http_call(url: str, method: str, path: str, body: Any = None, token: str | None = None,
-              session: str | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
-    """(status, decoded JSON body or None) of one plain HTTP call; 4xx/5xx are returned, not raised."""
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    if session:
-        headers[SESSION_HEADER] = session
-    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None, headers,
-                                 method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status, text = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read()
-    return status, json.loads(text) if text else None
 
 
 class RogueTrainer:

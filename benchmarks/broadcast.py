@@ -46,7 +46,7 @@ from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.trainer.source import named_tensors
-from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.launch.reference import ServerProcess, running
 from asyncsync import netns
 from benchmarks.common import RESULTS, write_json
 from asyncsync.netns import Link

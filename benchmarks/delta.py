@@ -194,7 +194,7 @@ def run_link(folder: Path, regimes: list[str], steps: int, out_path: Path, sweep
     """Inside one link (or plain loopback): every regime's four lanes over the stored versions."""
     from asyncsync import WeightSync, WeightSyncConfig
     from asyncsync.models import ModelConfig, build_model
-    from asyncsync.receivers.reference.launch import ServerProcess, running
+    from asyncsync.launch.reference import ServerProcess, running
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(2)

@@ -30,7 +30,7 @@ import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.launch import ServerProcess
+from asyncsync.launch.reference import ServerProcess
 from benchmarks.common import RESULTS, write_json
 
 # ~286 MB of bf16 weights: Qwen2's layout at 1024 wide, 6 layers.

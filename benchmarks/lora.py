@@ -26,7 +26,7 @@ import torch
 
 from asyncsync import WeightSync
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.launch.reference import ServerProcess, running
 from benchmarks.common import save
 from asyncsync.netns import rerun_on_link
 

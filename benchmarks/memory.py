@@ -41,8 +41,8 @@ import torch
 from asyncsync import WeightSync
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.procmem import ProcessMemory, descendants, node_bytes, process_memory
-from asyncsync.receivers.reference.launch import ServerProcess
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.reference import ServerProcess
+from asyncsync.launch.vllm import VllmServer
 from benchmarks.common import ROOT, save, vllm_python
 
 log = logging.getLogger("benchmarks.memory")

@@ -28,7 +28,7 @@ import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.launch import ServerProcess
+from asyncsync.launch.reference import ServerProcess
 from asyncsync import netns
 from benchmarks.common import save
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.launch.reference import ServerProcess, running
 from asyncsync.trainer.local_ranks import run_local_ranks
 from benchmarks.common import save
 

@@ -19,7 +19,7 @@ import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.launch import ServerProcess
+from asyncsync.launch.reference import ServerProcess
 from benchmarks.common import write_json
 
 MODEL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)

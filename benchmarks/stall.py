@@ -51,8 +51,8 @@ import torch
 from asyncsync import WeightSync
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.background import lower_thread_priority
-from asyncsync.receivers.reference.launch import ServerProcess
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.reference import ServerProcess
+from asyncsync.launch.vllm import VllmServer
 from asyncsync import netns
 from benchmarks.common import RESULTS, ROOT, vllm_python, write_json
 

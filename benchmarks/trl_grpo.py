@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     import vllm
 
     from asyncsync.models import ModelConfig, build_model
-    from asyncsync.receivers.vllm.launch import VllmServer
+    from asyncsync.launch.vllm import VllmServer
 
     model_cfg = ModelConfig(family="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
                             intermediate_size=args.hidden * 8 // 3 // 64 * 64, num_layers=args.layers,

@@ -31,8 +31,8 @@ import torch
 
 from asyncsync import WeightSync
 from asyncsync.models import build_model
-from asyncsync.receivers.reference.launch import ServerProcess
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.reference import ServerProcess
+from asyncsync.launch.vllm import VllmServer
 from asyncsync.trainer.verify import ServedCheck
 from benchmarks.common import ROOT, save, vllm_python
 from benchmarks.memory import MODEL, perturb

@@ -25,7 +25,7 @@ from trl import GRPOConfig
 
 from asyncsync.integrations.trl import GRPOTrainer
 from asyncsync.models import ModelConfig, build_model, word_tokenizer
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 
 # head_dim 64 (vLLM's CPU attention needs >= 32), float32 (the CPU worker's safe dtype).
 MODEL = ModelConfig(family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +14,7 @@ import torch
 from aiohttp import web
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.launch.http import http_call
 from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
@@ -26,10 +24,10 @@ from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
-from asyncsync.receivers.reference.launch import ServerProcess
+from asyncsync.launch.reference import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
-from asyncsync.transport.control import ControlLoop
+from asyncsync.control import ControlLoop
 from asyncsync.transport.membership import Membership
 from asyncsync.transport.send import BucketSource, send_version
 from asyncsync.transport.topology import TrainerGroups
@@ -54,14 +52,7 @@ def weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
     """(status, decoded body or None) of one plain HTTP call; 4xx/5xx are returned, not raised."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            status, text = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read()
-    return status, json.loads(text) if text else None
+    return http_call(url, method, path, body, timeout_s=30, raw=raw)
 
 
 def live_version(url: str) -> str:

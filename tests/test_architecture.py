@@ -237,6 +237,40 @@ def test_every_import_follows_the_layer_order_of_the_design_and_nothing_imports_
     assert layering_problems(graph, layers) == []
 
 
+def folder_problems(graph: dict[str, set[str]], layers: list[tuple[int, list[str]]]) -> list[str]:
+    """The folders (asyncsync's subpackages) as the table's layers: each folder's modules are of one
+    layer, and no folder imports a folder of a higher layer or is part of a cycle of folders."""
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    spans: dict[str, set[int]] = {}
+    for module in graph:
+        layer = layer_of(module, layers)
+        if layer is not None and folder(module) != module:
+            spans.setdefault(folder(module), set()).add(layer)
+    problems = [f"{f} holds modules of layers {sorted(ls)}" for f, ls in spans.items() if len(ls) > 1]
+    folders: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        folders.setdefault(folder(module), set()).update(folder(d) for d in deps if folder(d) != folder(module))
+    return problems + layering_problems(folders, layers)
+
+
+def test_every_folder_is_one_layer_and_no_folder_imports_a_higher_one():
+    assert folder_problems(import_graph(), design_layers()) == []
+
+
+def test_the_folder_check_sees_a_folder_across_layers_and_a_folder_cycle():
+    """Negative control: a folder with a module placed in a lower layer than the folder, and two folders
+    that import each other through modules that, one by one, follow the layers."""
+    layers = [(1, ["protocol"]), (2, ["transport.control", "engines"]), (3, ["transport"])]
+    graph = {"asyncsync.transport.control": set(), "asyncsync.engines.a": {"asyncsync.transport.control"},
+             "asyncsync.transport.send": {"asyncsync.engines.a"}}
+    problems = folder_problems(graph, layers)
+    assert "asyncsync.transport holds modules of layers [2, 3]" in problems
+    assert "import cycle: asyncsync.engines -> asyncsync.transport" in problems
+
+
 def test_the_trainer_side_below_the_trainer_never_imports_it():
     graph = import_graph()
     below = [m for m in graph if m.split(".")[1:2] in (["transport"], ["packing"], ["protocol"])]
@@ -247,10 +281,9 @@ def test_the_trainer_side_below_the_trainer_never_imports_it():
 
 def test_receivers_build_on_the_protocol_not_on_the_trainer_side():
     graph = import_graph()
-    # checkpoint: the reference server loads a checkpoint-layout version into its transformers module;
-    # procmem (standard library only): a launched vLLM server's worker processes, for tests and benchmarks
-    allowed = ("asyncsync.protocol", "asyncsync.receivers", "asyncsync.models", "asyncsync.transport.control",
-               "asyncsync.checkpoint", "asyncsync.procmem")
+    # checkpoint: the reference server loads a checkpoint-layout version into its transformers module
+    allowed = ("asyncsync.protocol", "asyncsync.receivers", "asyncsync.models", "asyncsync.control",
+               "asyncsync.checkpoint")
     wrong = {m: sorted(d for d in deps if not d.startswith(allowed))
              for m, deps in graph.items() if m.startswith("asyncsync.receivers")}
     assert {m: d for m, d in wrong.items() if d} == {}

@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncsync.config import ServerConfig
-from asyncsync.transport.control import AIOHTTP_SERVER_KEEPALIVE_S, UVICORN_KEEPALIVE_S, ControlLoop, HttpClient, RetryPolicy, ServerError
+from asyncsync.control import AIOHTTP_SERVER_KEEPALIVE_S, UVICORN_KEEPALIVE_S, ControlLoop, HttpClient, RetryPolicy, ServerError
 from asyncsync.engines import make_engine
 from asyncsync.models import build_model
 from asyncsync.receivers.reference.app import ReferenceServer

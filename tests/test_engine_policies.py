@@ -11,7 +11,7 @@ from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient
 from asyncsync.protocol.wire import BucketMeta, UpdateRequest
-from asyncsync.transport.control import ServerError
+from asyncsync.control import ServerError
 
 from conftest import serve_every_path
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
-from asyncsync.integrations.trl import Rollouts, WeightTransfer, _assign, weight_sync_config, within
+from asyncsync.integrations.trl import Rollouts, WeightTransfer, _assign, weight_sync_config, run_within
 
 from test_architecture import imported_after
 
@@ -69,11 +69,11 @@ def test_a_rollout_record_is_consistent():
 def test_a_call_without_a_deadline_gets_one():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="connecting did not finish within 0.3s"):
-        within(0.3, "connecting", time.sleep, 30)
+        run_within(0.3, "connecting", time.sleep, 30)
     assert time.monotonic() - start < 5
     with pytest.raises(KeyError, match="gone"):
-        within(5, "a lookup", {}.__getitem__, "gone")
-    assert within(5, "a sum", sum, [1, 2]) == 3
+        run_within(5, "a lookup", {}.__getitem__, "gone")
+    assert run_within(5, "a sum", sum, [1, 2]) == 3
 
 
 def test_nothing_loads_trl_or_the_integration_before_it_is_used():

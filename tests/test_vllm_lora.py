@@ -25,7 +25,7 @@ from asyncsync import WeightSync
 from asyncsync.config import ConfigError, ServerConfig
 from asyncsync.engines import make_engine
 from asyncsync.models import generate
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 
 from test_vllm_integration import http_json
 from test_vllm_models import PROMPT, build, load

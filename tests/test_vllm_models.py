@@ -25,7 +25,7 @@ from asyncsync.config import ConfigError
 from asyncsync.models import generate
 from asyncsync.families import FAMILIES, build, load, save
 from asyncsync.protocol.specs import LAYOUT_REFUSED
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

@@ -23,7 +23,7 @@ import pytest
 from asyncsync import WeightSync
 from asyncsync.models import generate
 from asyncsync.procmem import ProcessMemory, process_memory
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 
 from staging_faults import run_fault_sequence
 from test_vllm_integration import greedy

@@ -17,7 +17,7 @@ import pytest
 
 from asyncsync import WeightSync
 from asyncsync.families import load, save
-from asyncsync.receivers.vllm.launch import VllmServer
+from asyncsync.launch.vllm import VllmServer
 
 from test_vllm_models import config, perturb
 

@@ -12,7 +12,7 @@ from asyncsync.config import ServerConfig
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
-from asyncsync.transport.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
+from asyncsync.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import (
     PROTOCOL_VERSION, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
 )
-from asyncsync.transport.control import ServerError
+from asyncsync.control import ServerError
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from asyncsync.protocol.sglang import (
     consumed,
 )
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
-from asyncsync.transport.control import UVICORN_KEEPALIVE_S, HttpClient, ServerError
+from asyncsync.control import UVICORN_KEEPALIVE_S, HttpClient, ServerError
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, Unsu
 from asyncsync.protocol.arena import vllm_staging
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
-from asyncsync.transport.control import ServerError
+from asyncsync.control import ServerError
 
 log = logging.getLogger(__name__)
 

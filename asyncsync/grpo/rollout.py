@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncsync.config import ServerConfig
-from asyncsync.transport.control import ControlLoop
+from asyncsync.control import ControlLoop
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient
 

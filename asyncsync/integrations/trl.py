@@ -66,6 +66,7 @@ from typing import Any
 import torch
 import yaml
 
+from asyncsync.launch.http import wait_healthy
 from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines.base import parse_weight_version
 from asyncsync.metrics import SyncResult
@@ -169,9 +170,9 @@ class ServerFleet:
         self.clients: dict[str, Any] = {}
         for server in config.servers:
             url = server.base_url
-            wait_healthy(url, startup_s, config.deadlines.http_s)
+            wait_healthy(url, startup_s, "the vLLM server (vllm_server_timeout; start it, or check the URL)", poll_s=1.0)
             # TRL's constructor asks the server with its own session, which has no timeout.
-            client = within(config.deadlines.http_s, f"TRL's client connecting to {url}", VLLMClient, base_url=url,
+            client = run_within(config.deadlines.http_s, f"TRL's client connecting to {url}", VLLMClient, base_url=url,
                             connection_timeout=startup_s)
             client.session = http_session(config.deadlines.http_s)  # TRL's has no timeout and retries for a minute
             self.clients[server.base_url] = client
@@ -286,7 +287,7 @@ def http_session(timeout_s: float) -> Any:
     return session
 
 
-def within(timeout_s: float, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def run_within(timeout_s: float, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on a daemon thread, given up with ``TimeoutError`` after ``timeout_s``
     (for calls into code that sets no deadline of its own; the thread is left to end with the process)."""
     box: dict[str, Any] = {}
@@ -305,22 +306,6 @@ def within(timeout_s: float, what: str, fn: Any, *args: Any, **kwargs: Any) -> A
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-def wait_healthy(url: str, within_s: float, request_s: float) -> None:
-    """Return once ``url`` answers ``GET /health``; ``TimeoutError`` after ``within_s``."""
-    session = http_session(min(request_s, 10.0))
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            if session.get(f"{url}/health").status_code == 200:
-                return
-        except Exception:  # not up yet
-            pass
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"the vLLM server at {url} did not answer /health within {within_s:.0f}s "
-                               "(vllm_server_timeout); start it, or check the URL")
-        time.sleep(1.0)
 
 
 # -- GRPOTrainer ---------------------------------------------------------------------------------

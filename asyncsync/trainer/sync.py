@@ -46,7 +46,7 @@ from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.verify import ServedCheck
 from asyncsync.trainer.worker import Sender, SyncWorker
 from asyncsync.transport.adapters import AdapterLoads
-from asyncsync.transport.control import ControlLoop
+from asyncsync.control import ControlLoop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
 from asyncsync.transport.send import SLACK_S, BucketSource, follow_version, send_version

@@ -38,7 +38,7 @@ from typing import Any
 from asyncsync.engines.base import EngineClient
 from asyncsync.protocol.lora import AdapterVersion, adapter_dir, version_name
 from asyncsync.metrics import SyncMetrics
-from asyncsync.transport.control import ControlLoop, ServerError
+from asyncsync.control import ControlLoop, ServerError
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.wire import OWNED_STATUS, LayoutCheck
 from asyncsync.ranks import TrainerRanks
-from asyncsync.transport.control import ControlLoop, ServerError
+from asyncsync.control import ControlLoop, ServerError
 from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.topology import GroupLayout, TrainerGroups

@@ -33,7 +33,7 @@ from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.adapters import AdapterLoads
-from asyncsync.transport.control import ServerError
+from asyncsync.control import ServerError
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups

@@ -82,7 +82,7 @@ from asyncsync.protocol.wire import (
 from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
 from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
-from asyncsync.transport.control import new_event_loop
+from asyncsync.control import new_event_loop
 
 log = logging.getLogger(__name__)
 

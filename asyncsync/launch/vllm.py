@@ -24,13 +24,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from asyncsync.launch.http import wait_healthy
 from asyncsync.protocol.group import free_port
 
 START_TIMEOUT_S = 240.0
@@ -97,16 +95,14 @@ class VllmServer:
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds until ``/health`` answered; raises with the log's tail if the server exited or hung."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).close()
-                return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-        raise TimeoutError(f"vLLM not healthy within {timeout_s}s:\n{self.log_tail()}")
+        try:
+            return wait_healthy(self.url, timeout_s, "vLLM", self._exited)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.log_tail()}") from None
+
+    def _exited(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else f"exited with code {code}"
 
     def workers(self) -> list[int]:
         """The pids of vLLM's worker processes (``VLLM::Worker``, ``VLLM::Worker_TP<rank>``), in rank order."""

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 import urllib.error
-import urllib.request
+from email.message import Message
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -14,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncsync.protocol.arena import Staging
+from asyncsync.launch.http import http_call, wait_healthy
 from asyncsync.protocol.group import free_port
 from asyncsync.models import ModelConfig, build_model
 from asyncsync.receivers.reference.app import Faults
@@ -52,17 +51,16 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.process.start()
-        deadline = time.monotonic() + self._start_timeout_s
-        while time.monotonic() < deadline:
-            if not self.process.is_alive():
-                raise RuntimeError(f"reference server on port {self.port} exited with code {self.process.exitcode}")
-            try:
-                self.get("/health", timeout=1.0)
-                return self
-            except (OSError, urllib.error.URLError):
-                time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"reference server on port {self.port} not healthy within {self._start_timeout_s}s")
+        try:
+            wait_healthy(self.url, self._start_timeout_s, f"reference server on port {self.port}", self._exited,
+                         poll_s=0.2)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def _exited(self) -> str | None:
+        return None if self.process.is_alive() else f"exited with code {self.process.exitcode}"
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -85,14 +83,11 @@ class ServerProcess:
         return self.call("POST", path, body, timeout)
 
     def call(self, method: str, path: str, body: Any, timeout: float = 60.0, raw: bytes | None = None) -> Any:
-        """Plain blocking HTTP for tests; raises ``urllib.error.HTTPError`` on 4xx/5xx."""
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
+        """Blocking HTTP for tests: the decoded answer; ``urllib.error.HTTPError`` on 4xx/5xx."""
+        status, answer = http_call(self.url, method, path, body, self.token, timeout_s=timeout, raw=raw)
+        if status >= 400:
+            raise urllib.error.HTTPError(self.url + path, status, str(answer), Message(), None)
+        return answer
 
 
 @contextlib.contextmanager

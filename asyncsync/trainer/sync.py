@@ -47,6 +47,7 @@ from asyncsync.trainer.verify import ServedCheck
 from asyncsync.trainer.worker import Sender, SyncWorker
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.control import ControlLoop
+from asyncsync.transport.commands import BaseVersion, Command, Failed, Loading, Names, PackAhead, Ready, Stop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
 from asyncsync.transport.send import SLACK_S, BucketSource, follow_version, send_version
@@ -186,7 +187,7 @@ class WeightSync:
                 ties = self._connect_servers(every if convert is not None else model, None if convert else base or layout)
             else:
                 self._follower = Follower(ranks, runtime)
-                (_, ties) = self._follower.until("names")
+                ties = self._follower.until(Names).ties
             if convert is None:
                 layout = layout.keeping(ties.drop(held))  # a tied weight's second name is not sent
                 base = base.keeping(ties.drop(held)) if base is not None else None
@@ -204,12 +205,13 @@ class WeightSync:
                     self._check_adapter(adapter, plan)
                     self._send_base(model, base)
                 delta = keeps_baseline(cfg, self._packer, self._members)
-                ranks.from_leader(("ready", (plan, owners, delta)))
+                ranks.from_leader(Ready(plan, owners, delta))
             else:
                 if adapter is not None:
                     assert base is not None
                     self._send_base(model, base)
-                (_, (plan, owners, delta)) = self._follower.until("ready")
+                ready = self._follower.until(Ready)
+                plan, owners, delta = ready.plan, ready.owners, ready.delta
             self.plan, self._connected = plan, True
             if adapter is not None:
                 self._start_loads(adapter)
@@ -217,7 +219,7 @@ class WeightSync:
             self._start_check(model)
         except BaseException as e:
             if sharded and ranks.leader and not isinstance(e, TrainerRankLost):
-                self._tell_followers(("failed", f"{type(e).__name__}: {e}"))
+                self._tell_followers(Failed(f"{type(e).__name__}: {e}"))
             self._connected = False
             self.close()
             raise
@@ -296,10 +298,10 @@ class WeightSync:
             todo = self._without_base(named)
             version = 1 + max((v for m in todo for v in m.member_versions().values()), default=0)
             setup = (version, plan, owners) if todo else None
-            ranks.from_leader(("base", setup))
+            ranks.from_leader(BaseVersion(setup))
         else:
             assert self._follower is not None
-            (_, setup) = self._follower.until("base")
+            setup = self._follower.until(BaseVersion).setup
         if setup is None:
             return
         version, plan, owners = setup
@@ -382,7 +384,7 @@ class WeightSync:
         if expected is not None and layout is not None:
             expected = layout.renamed_sources(expected)
         ties = TiedNames.decide(weights, expected)
-        ranks.from_leader(("names", ties))
+        ranks.from_leader(Names(ties))
         return ties
 
     def _check_layouts(self, plan: BucketPlan) -> None:
@@ -499,7 +501,7 @@ class WeightSync:
         assert self._follower is not None and self.plan is not None
         return follow_version(self._follower, self.plan, source, self.config.checksum)
 
-    def _tell_followers(self, command: tuple[Any, ...]) -> None:
+    def _tell_followers(self, command: Command) -> None:
         """Rank 0: a last word to the other ranks (connect failed, close); a lost rank is only logged."""
         try:
             self.ranks.from_leader(command)
@@ -567,7 +569,7 @@ class WeightSync:
         collective is answered within a round however long an engine takes: none waits on a load."""
         if not self.ranks.leader:
             assert self._follower is not None
-            while not self._follower.until("loading")[1]:
+            while not self._follower.until(Loading).over:
                 pass
             return
         assert self._loads is not None
@@ -577,7 +579,7 @@ class WeightSync:
         while True:
             outcome = self._loads.wait(result.version, urls, LOAD_ROUND_S)
             over = outcome is not None or time.monotonic() > give_up
-            self.ranks.from_leader(("loading", over))
+            self.ranks.from_leader(Loading(over))
             if over:
                 break
         outcome = outcome or {u: f"{self.adapter_name(result.version)}: no load ended in time" for u in urls}
@@ -616,9 +618,9 @@ class WeightSync:
         """Blocking mode: whether this version is encoded ahead (``EncodeAhead``): rank 0 decides,
         and a sharded trainer's other ranks hear it from rank 0, so every rank packs alike."""
         if self.ranks.leader:
-            return self.ranks.from_leader(("ahead", self._ahead.ahead()))[1]
+            return self.ranks.from_leader(PackAhead(self._ahead.ahead())).ahead
         assert self._follower is not None
-        return self._follower.until("ahead")[1]
+        return self._follower.until(PackAhead).ahead
 
     # -- versions and staleness -----------------------------------------------------------------
 
@@ -682,7 +684,7 @@ class WeightSync:
             self._worker = None
         if self._connected and self.ranks.world > 1 and lost is None:  # connected: the ranks part together
             if self.ranks.leader:
-                self._tell_followers(("stop",))
+                self._tell_followers(Stop())
             else:
                 self._await_stop()
         if self._loads is not None:  # after the other ranks were let go: the last version's loads end
@@ -712,7 +714,7 @@ class WeightSync:
     def _await_stop(self) -> None:
         assert self._follower is not None
         try:
-            self._follower.until()
+            self._follower.until(Stop)
         except Stopped:
             pass
         except TrainerRankLost as e:

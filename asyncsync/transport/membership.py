@@ -44,6 +44,7 @@ from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.wire import OWNED_STATUS, LayoutCheck
 from asyncsync.ranks import TrainerRanks
 from asyncsync.control import ControlLoop, ServerError
+from asyncsync.transport.commands import Epoch, Formed
 from asyncsync.transport.pace import BroadcastPace
 from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
@@ -214,7 +215,7 @@ class Membership:
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
             layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources)
-            self.ranks.from_leader(("epoch", [layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
+            self.ranks.from_leader(Epoch([layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
             joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
             try:
                 group: TrainerGroups | None = layout.join()  # returns once every server's ranks joined
@@ -225,7 +226,7 @@ class Membership:
             answers = joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
             still = self._drop_unreachable(wired, answers)
             formed = all(self.ranks.gather_objects(group is not None) or [])
-            self.ranks.from_leader(("formed", formed and len(still) == len(wired)))
+            self.ranks.from_leader(Formed(formed and len(still) == len(wired)))
             if formed and len(still) == len(wired):
                 self.group, self.members = group, alive
                 log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory", self.epoch,

@@ -34,6 +34,7 @@ from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, Upd
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.control import ServerError
+from asyncsync.transport.commands import Done, Version
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
 from asyncsync.transport.topology import TrainerGroups
@@ -93,10 +94,10 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.send_started = start
     result.started = result.started or start
     if members.group is None and not members.shared:
-        ranks.from_leader(("version", None))  # no server to send to: the other ranks skip it too
+        ranks.from_leader(Version(None))  # no server to send to: the other ranks skip it too
         result.failures = dict(members.evicted)
         result.finished = time.perf_counter()
-        ranks.from_leader(("done", result))
+        ranks.from_leader(Done(result))
         return result
     engines = list(members.members)
     delta = delta_for(members, plan, source)
@@ -111,7 +112,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
         engines = [e for e in engines if e.url not in skipped]
     frames = VersionFrames.of(request)  # every bucket's frame header to asyncsync's receivers carries it
-    ranks.from_leader(("version", VersionPlan(version, deadlines, frames, delta)))
+    ranks.from_leader(Version(VersionPlan(version, deadlines, frames, delta)))
     n = len(plan.buckets)
     http_s = cfg.deadlines.http_s
 
@@ -189,7 +190,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         _collect({e.url: members.control.submit(abort(e)) for e in answered},
                  max((deadline(e, "abort") for e in answered), default=0.0))
         members.form(engines)
-        ranks.from_leader(("done", None))
+        ranks.from_leader(Done(None))
         cause, broken = broken.cause, None
         try:
             raise cause
@@ -231,7 +232,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     result.apply_s = time.perf_counter() - t0
     result.finished = time.perf_counter()
     result.total_s = result.finished - result.started
-    ranks.from_leader(("done", result))
+    ranks.from_leader(Done(result))
     if adapter is not None:  # the trainer ranks are released: no collective waits on a load
         adapter.offer([e for e in took if e.url in result.server_versions], version, members.server_versions)
     return result
@@ -334,7 +335,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
     ``TrainerRankLost`` when a rank is gone, and what ``source`` raised when this rank could not pack
     its pieces. Never raises for a server's failure."""
     ranks = follower.ranks
-    (_, announced) = follower.until("version")
+    announced = follower.until(Version).plan
     failed: PackFailed | None = None
     if announced is not None and follower.group is not None:
         broken, crcs = _data_path(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames, None,
@@ -343,7 +344,7 @@ def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, c
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
             follower.drop_group(broken=True)  # rank 0 forms a new epoch (and tells this rank) before "done"
-    (_, result) = follower.until("done")
+    result = follower.until(Done).result
     if failed is not None:
         raise failed.cause
     return result

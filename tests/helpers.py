@@ -1,6 +1,6 @@
 """Test helpers: one digest of weights, a reference server on a thread of this process, and the
 trainer's send path driven version by version with the product's own pieces (``Membership``,
-``PackedBuffers``, ``send_version``), for tests that need to reach below ``WeightSync``."""
+``Ring``, ``send_version``), for tests that need to reach below ``WeightSync``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from aiohttp import web
 from asyncsync.config import WeightSyncConfig
 from asyncsync.launch.http import http_call
 from asyncsync.metrics import SyncMetrics, SyncResult
+from asyncsync.packing.delta import Delta
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
 from asyncsync.protocol.device import HostRuntime
@@ -26,10 +27,11 @@ from asyncsync.protocol.wire import UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.launch.reference import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
-from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers
+from asyncsync.trainer.buffers import Ring
 from asyncsync.control import ControlLoop
 from asyncsync.transport.membership import Membership
-from asyncsync.transport.send import BucketSource, send_version
+from asyncsync.transport.send import send_version
+from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.topology import TrainerGroups
 
 CPU = torch.device("cpu")
@@ -153,7 +155,7 @@ class Trainer:
         cfg = self.members.config
         plan = BucketPlan.from_tensors(named.items(), bucket_bytes or cfg.bucket_bytes,
                                        self.members.single_dtype_buckets if single_dtype is None else single_dtype)
-        source: BucketSource = PackedBuffers(plan, CPU, TorchPackBackend(), cfg.checksum, slots=RING_SLOTS).packing(named)
+        source: BucketSource = Ring(plan, CPU, TorchPackBackend(), cfg.checksum).packing(named)
         return send_version(self.members, version, plan, wrap(source) if wrap else source)
 
     def publish(self, named: Mapping[str, torch.Tensor], version: int, **options: object) -> dict[str, int | str]:
@@ -166,21 +168,40 @@ class Trainer:
         self.control.close()
 
 
-class HoldAt:
-    """Wraps the trainer's bucket source: the transfer stops before bucket ``index`` until released."""
+class Wrapped(BucketSource):
+    """A bucket source that hands everything to ``inner``: the base of the tests' wrappers that hold
+    or tamper with one part of a version."""
 
-    def __init__(self, inner: BucketSource, index: int):
-        self.inner, self.index = inner, index
-        self.reached, self.release = threading.Event(), threading.Event()
+    def __init__(self, inner: BucketSource):
+        self.inner = inner
+        self.delta_base, self.segment = inner.delta_base, inner.segment
 
     def reuses(self, bucket: Bucket) -> int | None:
         return self.inner.reuses(bucket)
+
+    def bucket(self, bucket: Bucket) -> torch.Tensor:
+        return self.inner.bucket(bucket)
+
+    def checksum(self, bucket: Bucket) -> int | torch.Tensor | None:
+        return self.inner.checksum(bucket)
+
+    def delta(self, bucket: Bucket) -> Delta | None:
+        return self.inner.delta(bucket)
+
+    def delta_nbytes(self) -> tuple[int, ...] | None:
+        return self.inner.delta_nbytes()
+
+
+class HoldAt(Wrapped):
+    """Wraps the trainer's bucket source: the transfer stops before bucket ``index`` until released."""
+
+    def __init__(self, inner: BucketSource, index: int):
+        super().__init__(inner)
+        self.index = index
+        self.reached, self.release = threading.Event(), threading.Event()
 
     def bucket(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index == self.index:
             self.reached.set()
             self.release.wait(60)  # bounded: the test releases it
         return self.inner.bucket(bucket)
-
-    def checksum(self, bucket: Bucket) -> object:
-        return self.inner.checksum(bucket)

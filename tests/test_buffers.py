@@ -1,4 +1,4 @@
-"""PackedBuffers as blocking mode uses it: single-tensor buckets go out in place, the rest through a ring."""
+"""A Ring as blocking mode uses it: single-tensor buckets go out in place, the rest through a ring."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from asyncsync.packing.torch_backend import TorchPackBackend
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.specs import BucketPlan, unpack
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import Ring
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,7 @@ def weights() -> dict[str, torch.Tensor]:
 def test_the_ring_sends_single_tensor_buckets_in_place_and_packs_the_others_in_turn():
     named = weights()
     plan = BucketPlan.from_tensors(named.items(), bucket_bytes=256)
-    ring = PackedBuffers(plan, CPU, TorchPackBackend(), checksum=True, slots=3)
+    ring = Ring(plan, CPU, TorchPackBackend(), checksum=True, slots=3)
     single = [b for b in plan.buckets if len(b.specs) == 1]
     packed = [b for b in plan.buckets if len(b.specs) > 1]
     assert {b.specs[0].name for b in single} == {"embed", "head"} and len(packed) > 3 * 2
@@ -48,7 +48,7 @@ def test_the_ring_sends_single_tensor_buckets_in_place_and_packs_the_others_in_t
 def test_without_checksums_nothing_is_checksummed():
     named = weights()
     plan = BucketPlan.from_tensors(named.items(), bucket_bytes=256)
-    source = PackedBuffers(plan, CPU, TorchPackBackend(), checksum=False, slots=2).packing(named)
+    source = Ring(plan, CPU, TorchPackBackend(), checksum=False, slots=2).packing(named)
     for bucket in plan.buckets:
         source.bucket(bucket)
         assert source.checksum(bucket) is None

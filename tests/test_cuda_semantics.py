@@ -219,7 +219,7 @@ class LateReadingSend:
 def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], dict[int, bytes]]:
     """The async worker alone over FakeCuda; returns the bytes each version should have and those read."""
     from asyncsync.trainer import worker as worker_module
-    from asyncsync.trainer.buffers import PackedBuffers
+    from asyncsync.trainer.buffers import Snapshot
     from asyncsync.metrics import SyncMetrics
     from asyncsync.ranks import TrainerRanks
     from asyncsync.trainer.source import WeightsReader
@@ -229,7 +229,7 @@ def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], di
     reader = WeightsReader()
     plan = BucketPlan.from_tensors(reader.read(model).tensors().items(), 16 * 1024)
     worker = worker_module.SyncWorker([lambda v, source, result: send(plan, v, source, result)], plan,
-                                      lambda: PackedBuffers(plan, fake.device, FakeCudaPack(), False),
+                                      lambda: Snapshot(plan, fake.device, FakeCudaPack(), False),
                                       StreamSet(fake), SyncMetrics(), TrainerRanks(), served=lambda v: v)
     want = {}
     for version in range(1, versions + 1):
@@ -242,7 +242,7 @@ def run_worker(fake: FakeCuda, versions: int = 12) -> tuple[dict[int, bytes], di
 
         fake.launch(step)
         step(shadow)
-        ref = PackedBuffers(plan, fake.device, packing.torch_backend.TorchPackBackend(), False)
+        ref = Snapshot(plan, fake.device, packing.torch_backend.TorchPackBackend(), False)
         ref.pack_all(reader.read(shadow).tensors())
         want[version] = b"".join(bytes(b.numpy()) for b in ref.buffers)
         worker.publish(reader.read(model), version)

@@ -18,7 +18,7 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.metrics import SyncResult
 from asyncsync.models import build_model
 from asyncsync.testing import ServerProcess
-from asyncsync.transport.send import BucketSource
+from asyncsync.transport.sources import BucketSource
 
 from conftest import TINY
 from helpers import HoldAt, Trainer, call, weights

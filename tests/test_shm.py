@@ -23,7 +23,7 @@ from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.receiver import WeightReceiver
 from asyncsync.testing import Faults, ServerProcess, mixed_dtype_model, running
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import SharedSnapshot
 from asyncsync.transport.shm import SegmentPool, sweep_stale
 from aiohttp import web
 
@@ -143,11 +143,11 @@ def test_transport_is_validated():
     assert config(["http://127.0.0.1:1"]).transport == "auto"
 
 
-def _pack_shared(model: torch.nn.Module, pool: SegmentPool | None = None) -> tuple[UpdateRequest, PackedBuffers, SegmentPool]:
+def _pack_shared(model: torch.nn.Module, pool: SegmentPool | None = None) -> tuple[UpdateRequest, SharedSnapshot, SegmentPool]:
     named = dict(model.state_dict())
     plan = BucketPlan.from_tensors(named.items(), 16 << 10)
     pool = pool or SegmentPool([b.nbytes for b in plan.buckets])
-    buffers = PackedBuffers(plan, CPU, TorchPackBackend(), True, pool=pool)
+    buffers = SharedSnapshot(plan, CPU, TorchPackBackend(), True, pool)
     buffers.pack_all(named)
     assert buffers.segment is not None and pool.host is not None
     crcs = tuple(int(c) for c in buffers.crcs)

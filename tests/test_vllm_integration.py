@@ -38,7 +38,7 @@ from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest
 from asyncsync.launch.vllm import VllmServer
 from asyncsync.testing import RogueTrainer, http_call
-from asyncsync.transport.send import BucketSource
+from asyncsync.transport.sources import BucketSource
 
 from helpers import HoldAt, Trainer
 

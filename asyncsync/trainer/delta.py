@@ -1,6 +1,6 @@
 """When the trainer keeps a delta baseline, and when blocking mode encodes a version ahead.
 
-The baseline is the whole-version buffers a version is packed into (``PackedBuffers(delta=True)``):
+The baseline is the whole-version buffers a version is packed into (``trainer.buffers.Baseline``):
 async mode's snapshot itself, or in blocking mode one more set beside the ring. A sharded trainer's
 rank keeps the buckets it owns (``ShardedBuffers.baseline``), encoded when the version is sent.
 Which server gets a delta of a version is decided when it is sent (``transport.send``): only one

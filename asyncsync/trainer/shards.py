@@ -31,8 +31,9 @@ from asyncsync.packing.delta import Delta
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.checkpoint import Conversion
 from asyncsync.protocol.specs import Bucket, BucketPlan, byte_view, unpack
-from asyncsync.trainer.buffers import PackedBuffers
+from asyncsync.trainer.buffers import Baseline
 from asyncsync.trainer.layout import LayoutView
+from asyncsync.transport.sources import BucketSource
 from asyncsync.trainer.source import check_layout, local_part
 
 
@@ -186,7 +187,7 @@ class ShardedBuffers:
       bucket waits for the previous one's broadcast: ``reuses``).
 
     * ``baseline`` (``delta: auto``, a ``packer`` that encodes deltas): the buckets this rank owns,
-      as the last version sent held them (``PackedBuffers(delta=True)`` over those buckets): the
+      as the last version sent held them (``Baseline`` over those buckets): the
       baseline each next version's owned buckets are encoded against, about the model's bytes over
       the number of ranks.
 
@@ -223,8 +224,8 @@ class ShardedBuffers:
         self.converted = torch.empty(max((plan.buckets[b.bucket.index].nbytes for b in owned), default=0) if conversion
                                      else 0, dtype=torch.uint8, device=device)
         self._last_owned = {after.bucket.index: before.bucket.index for before, after in zip(owned, owned[1:])}
-        self.baseline = (PackedBuffers(plan, device, packer, True, delta=True,
-                                       buckets=[plan.buckets[b.bucket.index] for b in owned]) if packer else None)
+        self.baseline = (Baseline(plan, device, packer, True, [plan.buckets[b.bucket.index] for b in owned])
+                         if packer else None)
         self.version: int | None = None  # the version ``pack_all`` last packed
 
     @property
@@ -282,7 +283,7 @@ class ShardedBuffers:
     def encode(self, live: ShardedSource, version: int | None) -> Encoded:
         """Every rank, together, before the version's update request: each bucket's pieces go to its
         owner as ``send_version`` would send them, and the owner packs the assembled bucket over its
-        baseline, encoding what changed (``PackedBuffers.pack``); then rank 0 gathers every bucket's delta
+        baseline, encoding what changed (``Packed.pack``); then rank 0 gathers every bucket's delta
         size, which the request must name. A bucket a rank could not pack keeps the exchange paired
         and is raised again when the version is sent (it is abandoned). Sends nothing to a server."""
         assert self.baseline is not None
@@ -319,7 +320,7 @@ def sources(named: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return named.sources if isinstance(named, LayoutView) else named
 
 
-class ShardedSource:
+class ShardedSource(BucketSource):
     """A ``transport.send.BucketSource`` for a sharded trainer's rank: per bucket, ``owner``; a rank
     that does not own it ``contribute``s its pieces; the owner's ``bucket`` receives the others'
     pieces and assembles the whole bucket in the slot, which it then broadcasts."""
@@ -400,7 +401,7 @@ def convert_bucket(conversion: Conversion, assembled: Bucket, buf: torch.Tensor,
     return out
 
 
-class Encoded:
+class Encoded(BucketSource):
     """A ``transport.send.BucketSource`` over a version ``ShardedBuffers.encode`` packed ahead: each
     owner's buckets are whole in its baseline (``delta_base``: the version they were encoded
     against; None: not encoded), their deltas and checksums ready; the pieces already reached their

@@ -3,7 +3,7 @@
 With ``async_weight_update: false`` ``publish`` sends the version on the caller's thread and returns
 once every server applied it (the baseline); with ``true`` a ``SyncWorker`` does the same in the
 background and ``publish`` returns at once. Both modes run the same pipeline: the same pack path
-(``PackedBuffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
+(``trainer.buffers``), the same layout policy (``check_layout``) and the same ``send_version``; they
 differ in where the bytes are packed from (the live weights into a ring of a few buckets, or a snapshot).
 
 With ``lora: adapter`` a PEFT model's versions are its adapter's tensors only (``trainer/adapter.py``):
@@ -36,7 +36,7 @@ from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc, version
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.adapter import Adapter
-from asyncsync.trainer.buffers import RING_SLOTS, PackedBuffers, Prepacked
+from asyncsync.trainer.buffers import Baseline, Prepacked, Ring, SharedSnapshot, Snapshot
 from asyncsync.trainer.delta import EncodeAhead, keeps_baseline
 from asyncsync.trainer.layout import PeftMerge, WeightLayout
 from asyncsync.trainer.shards import Encoded, ShardedBuffers, ShardLayout, SourcePlan, balanced_owners, sources
@@ -50,7 +50,8 @@ from asyncsync.control import ControlLoop
 from asyncsync.transport.commands import BaseVersion, Command, Failed, Loading, Names, PackAhead, Ready, Stop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import SLACK_S, BucketSource, follow_version, send_version
+from asyncsync.transport.send import SLACK_S, follow_version, send_version
+from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,10 @@ class WeightSync:
         self._members: list[Membership] = []  # one for all servers, or one per server (group_per_server)
         self._packer: PackBackend | None = None
         self._worker: SyncWorker | None = None
-        self._ring: PackedBuffers | ShardedBuffers | None = None
+        self._ring: Ring | ShardedBuffers | None = None
         self._pool: SegmentPool | None = None      # shared memory for same-host servers (transport/shm.py)
-        self._shared: PackedBuffers | None = None  # blocking mode's buffers in it
-        self._baseline: PackedBuffers | None = None  # blocking mode's delta baseline (trainer/delta.py)
+        self._shared: SharedSnapshot | None = None  # blocking mode's buffers in it
+        self._baseline: Baseline | None = None  # blocking mode's delta baseline (trainer/delta.py)
         self._ahead = EncodeAhead()
         self._reader = WeightsReader()
         self.layout: WeightLayout | None = None  # the engines' layout of the weights (None: convert= gives it)
@@ -342,7 +343,7 @@ class WeightSync:
         pool = SegmentPool([b.nbytes for b in plan.buckets])
         self._base_pools.append(pool)
         members.pool = pool
-        buffers = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, None, pool)
+        buffers = SharedSnapshot(plan, self.runtime.device, self._packer, self.config.checksum, pool)
         buffers.pack_all(named)
         return buffers.packed()
 
@@ -439,8 +440,13 @@ class WeightSync:
             return (lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, None, conversion, encoder),
                     lambda: ShardedBuffers(plan, layout, ranks, runtime, cfg.checksum, snapshot, conversion,
                                            encoder if snapshot == "device" else None))
-        return (lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, RING_SLOTS),
-                lambda: PackedBuffers(plan, runtime.device, packer, cfg.checksum, None, pool, delta and pool is None))
+        if pool is not None:
+            snapshot_kind = lambda: SharedSnapshot(plan, runtime.device, packer, cfg.checksum, pool)  # noqa: E731
+        elif delta:
+            snapshot_kind = lambda: Baseline(plan, runtime.device, packer, cfg.checksum)  # noqa: E731
+        else:
+            snapshot_kind = lambda: Snapshot(plan, runtime.device, packer, cfg.checksum)  # noqa: E731
+        return lambda: Ring(plan, runtime.device, packer, cfg.checksum), snapshot_kind
 
     def _allocate(self, plan: BucketPlan, named: dict[str, Any], owners: list[int], delta: bool) -> None:
         """The buffers of this rank (a ring blocking, a snapshot async; ``delta``: with the delta
@@ -454,7 +460,7 @@ class WeightSync:
             self._ring = ring()
             self._shared = snapshot() if self._pool is not None else None  # every version packed into a leased segment
             if delta and self.ranks.world == 1:  # the baseline, beside the ring (trainer/delta.py)
-                self._baseline = PackedBuffers(plan, self.runtime.device, self._packer, self.config.checksum, delta=True)
+                self._baseline = Baseline(plan, self.runtime.device, self._packer, self.config.checksum)
             return
         if self.ranks.leader:
             senders: list[Sender] = [lambda v, src, res, m=m: self._checked(m, send_version(m, v, plan, src, res,
@@ -601,7 +607,7 @@ class WeightSync:
                 result.started = t0 = time.perf_counter()
                 self._shared.pack_all(named)
                 return self._shared.packed(), time.perf_counter() - t0
-        encodes = self._baseline is not None or self._ring.delta  # a sharded ring keeps the baseline itself
+        encodes = self._baseline is not None or (isinstance(self._ring, ShardedBuffers) and self._ring.delta)  # a sharded ring keeps its own
         if encodes and self._encode_ahead():
             result.started = t0 = time.perf_counter()
             source: Prepacked | Encoded

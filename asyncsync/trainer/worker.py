@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class Snapshot:
     """One version in packed form: a flat buffer per bucket and each bucket's checksum."""
 
-    buffers: Any  # PackedBuffers (one process) or ShardedBuffers (a sharded trainer's rank, a host snapshot)
+    buffers: Any  # a Snapshot kind (one process) or ShardedBuffers (a sharded trainer's rank, a host snapshot)
     version: int = 0
     done: Marker = None  # the stream marker recorded after the copy
     sent: list[Marker] = field(default_factory=list)  # senders' markers after their broadcasts read it

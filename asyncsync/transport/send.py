@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,7 +29,7 @@ from asyncsync.packing.checks import UnpackableTensor
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.lora import AdapterUpdate
-from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, BucketPlan
+from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.transport.adapters import AdapterLoads
@@ -37,38 +37,12 @@ from asyncsync.control import ServerError
 from asyncsync.transport.commands import Done, Version
 from asyncsync.transport.follower import Follower
 from asyncsync.transport.membership import Membership, within
+from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.topology import TrainerGroups
 
 log = logging.getLogger(__name__)
 
 SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines inside it
-
-
-class BucketSource(Protocol):
-    """Where ``send_version`` takes each bucket's bytes from (``trainer.buffers``).
-
-    ``bucket`` returns the flat bytes to broadcast. ``reuses`` names the earlier bucket whose buffer
-    those bytes will be written into (a ring), or None: ``bucket`` is asked for only after that
-    bucket's broadcast finished, so a buffer is never rewritten while it is on the wire. ``checksum``
-    is asked for right after the bucket's broadcast was started (a checksum not fused into packing is
-    then taken while the bytes are on the wire): the CRC32C of exactly those bytes, as an int or a
-    0-dim device tensor, or None without checksums.
-
-    A sharded trainer's source (``trainer.shards.ShardedSource``) also names each bucket's ``owner``
-    rank: only the owner asks for ``bucket`` (which receives the other ranks' pieces), every other
-    rank calls ``contribute(bucket)`` (sends its pieces to the owner) at the same point instead.
-
-    A source packed over a delta baseline (``trainer.buffers.Prepacked``, a sharded trainer's
-    ``trainer.shards.Encoded``) also has ``delta_base``, the version its buckets were encoded
-    against (None: not encoded), ``delta(bucket)``, the bucket's ``packing.delta.Delta`` (asked for
-    by the bucket's owner only), and ``delta_nbytes()``, every bucket's delta size (0: whole; None
-    where none was encoded; rank 0 has them all). ``delta_for`` decides who gets them."""
-
-    def reuses(self, bucket: Bucket) -> int | None: ...
-
-    def bucket(self, bucket: Bucket) -> torch.Tensor: ...
-
-    def checksum(self, bucket: Bucket) -> int | torch.Tensor | None: ...
 
 
 def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
@@ -103,7 +77,7 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     delta = delta_for(members, plan, source)
     sizes = [n or b.nbytes for n, b in zip(delta.nbytes, plan.buckets)] if delta else [b.nbytes for b in plan.buckets]
     deadlines = tuple(members.pace.deadline_s(n) for n in sizes)
-    sources = tuple(owner_of(source, b) for b in plan.buckets) if members.sources > 1 else ()
+    sources = tuple(source.owner(b) for b in plan.buckets) if members.sources > 1 else ()
     request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), cfg.checksum, deadlines, sources,
                             delta=delta)
     requests = shared_requests(members, request, plan, source, result)  # same-host servers: where the version is
@@ -246,14 +220,12 @@ def delta_for(members: Membership, plan: BucketPlan, source: BucketSource) -> De
     ``group_per_server`` each server is decided alone). None otherwise, and when every bucket goes
     whole anyway: a new, restarted or readmitted server, one that missed or refused a version, a
     version packed without a baseline, servers on shared memory (nothing crosses a wire)."""
-    base = getattr(source, "delta_base", None)
-
+    base = source.delta_base
     if base is None or members.group is None or not members.takes_deltas():
         return None
     if not all(members.baselines.get(e.url) == base for e in members.members):
         return None
-    nbytes = source.delta_nbytes()  # type: ignore[attr-defined]
-
+    nbytes = source.delta_nbytes()
     return DeltaVersion(base, nbytes) if nbytes is not None and any(nbytes) else None
 
 
@@ -264,8 +236,7 @@ def shared_requests(members: Membership, request: UpdateRequest, plan: BucketPla
     it instead of after the broadcast. A source that is not in shared memory (a same-host server
     readmitted after the version was packed) sends these members nothing new: they keep serving
     their version and get the next one."""
-    segment = getattr(source, "segment", None)
-    pool = members.pool
+    segment, pool = source.segment, members.pool
     if not members.shared or segment is None or pool is None:
         return {}
     t0 = time.perf_counter()
@@ -321,12 +292,6 @@ class VersionPlan:
     deadlines: tuple[float, ...]  # per bucket, as sent to the servers
     frames: VersionFrames         # what each bucket's frame header carries
     delta: DeltaVersion | None    # which buckets go as deltas (their owners broadcast those)
-
-
-def owner_of(source: BucketSource, bucket: Bucket) -> int:
-    """The trainer rank that sends ``bucket`` (0 unless the source is a sharded trainer's)."""
-    owner = getattr(source, "owner", None)
-    return owner(bucket) if owner is not None else 0
 
 
 def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, checksum: bool) -> SyncResult | None:
@@ -413,7 +378,7 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
             stopped = stopped or str(e)
 
     for i, bucket in enumerate(plan.buckets):
-        mine = owner_of(source, bucket) == ranks.rank
+        mine = source.owner(bucket) == ranks.rank
         before = source.reuses(bucket) if mine else None
         if before is not None and before in works:
             wait(before)  # that buffer is rewritten only once its broadcast finished
@@ -425,9 +390,11 @@ def _data_path(group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, sour
         buf = None
         try:
             if not mine:
-                source.contribute(bucket)  # type: ignore[attr-defined]
+                source.contribute(bucket)
             elif delta is not None and delta.nbytes[i]:
-                buf = source.delta(bucket).payload()  # type: ignore[attr-defined]
+                encoded = source.delta(bucket)
+                assert encoded is not None, "a bucket announced as a delta was encoded"
+                buf = encoded.payload()
             else:
                 buf = source.bucket(bucket)  # a sharded trainer's owner receives the other ranks' pieces here
         except UnpackableTensor as e:

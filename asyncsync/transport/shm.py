@@ -7,7 +7,7 @@
     pool.evicted(url)                      # a server that missed a deadline: its segments are retired
     pool.close()                           # unlink everything
 
-The lease: a segment is written only when no server holds it and no ``PackedBuffers`` is bound to
+The lease: a segment is written only when no server holds it and no ``SharedSnapshot`` is bound to
 it (a version being sent). A server's holds come from its own answers; a server the trainer evicted
 (dead, hung or unreachable while it may still be reading) loses its lease, and every segment it
 held or was reading is *retired*: unlinked and never written again, so what a hung server maps
@@ -42,7 +42,7 @@ class Segment:
         self._shm = shared_memory.SharedMemory(name, create=True, size=nbytes)
         flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
         self.views = [flat[o : o + n] for o, n in zip(offsets, sizes)]
-        self.bound = False   # a PackedBuffers writes into it or sends from it
+        self.bound = False   # a SharedSnapshot writes into it or sends from it
         self.retired = False
 
     @property

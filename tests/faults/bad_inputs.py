@@ -7,7 +7,7 @@ process's exit status instead of killing pytest.
 
 ``ops`` hands every malformation (``BAD``) and every legal oddity (``LEGAL``) to each entry point that
 reaches native code: the C++ op, ``CppPackBackend``, the CUDA launcher's validation
-(``launch_table``, on CPU), and the packing layer (``named_tensors`` + ``PackedBuffers``). A legal
+(``launch_table``, on CPU), and the packing layer (``named_tensors`` + ``Snapshot``). A legal
 input must pack to the torch backend's bytes and checksum; a bad one must raise a ``ValueError``,
 ``TypeError`` or ``NotImplementedError`` naming the tensor, with not one byte of the buffer written.
 
@@ -44,7 +44,7 @@ from asyncsync.packing.cuda import launch_table  # noqa: E402
 from asyncsync.packing.native import CppPackBackend  # noqa: E402
 from asyncsync.packing.torch_backend import TorchPackBackend  # noqa: E402
 from asyncsync.protocol.specs import BucketPlan  # noqa: E402
-from asyncsync.trainer.buffers import PackedBuffers  # noqa: E402
+from asyncsync.trainer.buffers import Ring, Snapshot  # noqa: E402
 from asyncsync.trainer.source import named_tensors  # noqa: E402
 
 EXPECTED_ERRORS = (ValueError, TypeError, NotImplementedError)
@@ -222,7 +222,7 @@ def run_ops(examples: int) -> None:
         snapshot = out.clone()
 
         if entry == "packing":
-            buffers = PackedBuffers(plan, CPU, cpp, checksum=True)
+            buffers = Snapshot(plan, CPU, cpp, checksum=True)
             if kind in LEGAL:
                 buffers.pack_all(named_tensors(args))
                 want = torch.zeros(bucket.nbytes, dtype=torch.uint8)
@@ -276,7 +276,7 @@ def cpp_direct_checks() -> None:
 
     named = {"w": torch.ones(8), "b": torch.ones(2)}
     plan = BucketPlan.from_tensors(named.items())
-    buffers = PackedBuffers(plan, CPU, CppPackBackend(), checksum=True)
+    buffers = Ring(plan, CPU, CppPackBackend(), checksum=True)
     source = buffers.packing(named)  # checked here; then freed, as another thread could
     named["w"].untyped_storage().resize_(0)
     expect_error(lambda: source.bucket(plan.buckets[0]), ["packing bucket 0 failed: tensor 'w' reads 32 bytes"],

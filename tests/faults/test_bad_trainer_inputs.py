@@ -30,11 +30,11 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
 from asyncsync.trainer.source import ShardedWeightsUnsupported, check_layout
-from asyncsync.transport.send import BucketSource
+from asyncsync.transport.sources import BucketSource
 
 from bad_inputs import BAD_LAYOUT, BAD_OPS, BAD_TENSORS, LEGAL, RESIZED, dtensor
 from conftest import TINY
-from helpers import ThreadedServer, Trainer, digest
+from helpers import ThreadedServer, Trainer, Wrapped, digest
 
 SCRIPT = Path(__file__).with_name("bad_inputs.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -145,22 +145,17 @@ def test_cuda_launcher_validates_before_the_kernel_sees_anything():
     assert torch.equal(table.sources[0], src.contiguous()) and table.rows[1][2] == table.sources[0].data_ptr()
 
 
-class FailsAtBucket:
+class FailsAtBucket(Wrapped):
     """A bucket source that cannot pack bucket ``index`` (a tensor freed by another thread meanwhile)."""
 
     def __init__(self, inner: BucketSource, index: int):
-        self.inner, self.index = inner, index
-
-    def reuses(self, bucket: Bucket) -> int | None:
-        return self.inner.reuses(bucket)
+        super().__init__(inner)
+        self.index = index
 
     def bucket(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index == self.index:
             raise UnpackableTensor(f"tensor 'x' of bucket {bucket.index} was freed")
         return self.inner.bucket(bucket)
-
-    def checksum(self, bucket: Bucket) -> object:
-        return self.inner.checksum(bucket)
 
 
 def test_a_version_that_cannot_be_packed_half_way_is_abandoned_and_the_next_one_syncs():

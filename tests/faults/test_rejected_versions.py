@@ -11,22 +11,20 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.metrics import SyncResult
 from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.testing import ServerProcess, mixed_dtype_model
-from asyncsync.transport.send import BucketSource
+from asyncsync.transport.sources import BucketSource
 
 from conftest import TINY
-from helpers import Trainer
+from helpers import Trainer, Wrapped
 
 
-class FlipAByte:
+class FlipAByte(Wrapped):
     """Wraps the trainer's bucket source: one byte of the last bucket is flipped on its way to the
     wire (in a copy: a bucket of one tensor is sent from the weights themselves), while its checksum
     is that of the original bytes, as a bit flip on the wire would leave it."""
 
     def __init__(self, inner: BucketSource, last: int):
-        self.inner, self.last = inner, last
-
-    def reuses(self, bucket: Bucket) -> int | None:
-        return self.inner.reuses(bucket)
+        super().__init__(inner)
+        self.last = last
 
     def bucket(self, bucket: Bucket) -> torch.Tensor:
         buf = self.inner.bucket(bucket)
@@ -34,9 +32,6 @@ class FlipAByte:
             buf = buf.clone()
             buf[bucket.nbytes // 2] ^= 0xFF
         return buf
-
-    def checksum(self, bucket: Bucket) -> object:
-        return self.inner.checksum(bucket)
 
 
 @pytest.fixture(scope="module")

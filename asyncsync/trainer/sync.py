@@ -50,7 +50,8 @@ from asyncsync.control import ControlLoop
 from asyncsync.transport.commands import BaseVersion, Command, Failed, Loading, Names, PackAhead, Ready, Stop
 from asyncsync.transport.follower import Follower, Stopped
 from asyncsync.transport.membership import Membership, lowest_member_version, new_session
-from asyncsync.transport.send import SLACK_S, follow_version, send_version
+from asyncsync.transport.datapath import follow_version
+from asyncsync.transport.send import SLACK_S, send_version
 from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.shm import SegmentPool
 

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from asyncsync.config import ServerConfig
 from asyncsync.control import AIOHTTP_SERVER_KEEPALIVE_S, UVICORN_KEEPALIVE_S, ControlLoop, HttpClient, RetryPolicy, ServerError
 from asyncsync.engines import make_engine
+from asyncsync.launch.http import wait_healthy
 from asyncsync.models import build_model
 from asyncsync.receivers.reference.app import ReferenceServer
 
@@ -146,6 +147,12 @@ async def test_engine_calls_need_the_bearer_token():
         assert err.value.status == 401
         assert await trusted.version() == 0
         await trusted.health()
+        # the launchers' blocking wait: healthy with the token; without it refused at once, not after 60 s
+        assert await asyncio.to_thread(wait_healthy, url, 10, "server", token="s3cret") < 10
+        start = time.monotonic()
+        with pytest.raises(PermissionError, match="server answered 401 to .*/health: it wants a bearer token"):
+            await asyncio.to_thread(wait_healthy, url, 60, "server")
+        assert time.monotonic() - start < 10
     finally:
         await anonymous.close()
         await trusted.close()

@@ -36,19 +36,25 @@ def http_call(url: str, method: str, path: str, body: Any = None, token: str | N
 
 
 def wait_healthy(url: str, timeout_s: float, what: str, alive: Callable[[], str | None] | None = None,
-                 poll_s: float = 0.5) -> float:
+                 poll_s: float = 0.5, token: str | None = None) -> float:
     """Seconds until ``GET url/health`` answered 200; ``TimeoutError`` naming ``what`` after
-    ``timeout_s``. ``alive``: says why the server can no longer come up (its process exited), or None."""
+    ``timeout_s``. ``alive``: says why the server can no longer come up (its process exited), or None.
+    A 401 or 403 raises at once (``PermissionError``): a server that refuses the token never becomes
+    healthy to this caller, however long it waits."""
     start = time.monotonic()
     while True:
         gone = alive() if alive is not None else None
         if gone is not None:
             raise RuntimeError(f"{what} {gone}")
         try:
-            if http_call(url, "GET", "/health", timeout_s=min(2.0, timeout_s))[0] == 200:
-                return time.monotonic() - start
+            status = http_call(url, "GET", "/health", token=token, timeout_s=min(2.0, timeout_s))[0]
         except (OSError, urllib.error.URLError):  # not listening yet
-            pass
+            status = None
+        if status == 200:
+            return time.monotonic() - start
+        if status in (401, 403):
+            raise PermissionError(f"{what} answered {status} to {url}/health: "
+                                  f"{'the token given is wrong' if token else 'it wants a bearer token'}")
         if time.monotonic() - start >= timeout_s:
             raise TimeoutError(f"{what} did not answer {url}/health within {timeout_s:.0f}s")
         time.sleep(poll_s)

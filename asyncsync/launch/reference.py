@@ -53,7 +53,7 @@ class ServerProcess:
         self.process.start()
         try:
             wait_healthy(self.url, self._start_timeout_s, f"reference server on port {self.port}", self._exited,
-                         poll_s=0.2)
+                         poll_s=0.2, token=self.token)
         except TimeoutError:
             self.stop()
             raise

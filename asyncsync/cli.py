@@ -112,11 +112,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _doctor_trainer(model: Any, model_bytes: int, sync_cfg: Any) -> None:
-    from asyncsync.trainer.sync import WeightSync
+    from asyncsync.trainer.allocate import sync_memory
 
     print(f"sync memory for this model ({model_bytes / 1e6:.1f} MB of weights, bucket_bytes {sync_cfg.bucket_bytes}), "
           "one trainer process (a sharded trainer's rank: its local shards instead of the model, docs/sharded.md):")
-    for mode, b in WeightSync(sync_cfg).memory(model).items():
+    for mode, b in sync_memory(sync_cfg, model).items():
         print(f"  {mode:13s} {b['device'] / 1e6:9.1f} MB on the weights' device, {b['host'] / 1e6:9.1f} MB host, "
               f"{b['conversion'] / 1e6:.1f} MB at most for converting to the engines' layout")
 
@@ -146,11 +146,18 @@ def _doctor_receivers(model_bytes: int, tp: int, bucket_bytes: int, gpus_per_nod
               f"node; KV room {', '.join(room)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncsync", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("ASYNCSYNC_LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """``asyncsync serve | grpo | doctor`` and their options."""
+    top = argparse.ArgumentParser(prog="asyncsync", description=__doc__)
+    top.add_argument("--log-level", default=os.environ.get("ASYNCSYNC_LOG_LEVEL", "INFO"))
+    sub = top.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_grpo(sub)
+    _add_doctor(sub)
+    return top
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the reference inference server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                             "is held); docs/engines/reference.md")
     serve.set_defaults(fn=cmd_serve)
 
+
+def _add_grpo(sub: Any) -> None:
     grpo = sub.add_parser("grpo", help="run the GRPO demo (embedded reference servers unless servers are configured)",
                           description="GRPO on two-digit addition; rollouts from the inference servers, weights moved by asyncsync.")
     grpo.add_argument("--config", default=None, help="YAML file (e.g. configs/grpo_tiny.yaml); defaults apply without it")
@@ -191,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     grpo.add_argument("--json", help="also write every regime's and mode's figures here")
     grpo.set_defaults(fn=cmd_grpo)
 
+
+def _add_doctor(sub: Any) -> None:
     doctor = sub.add_parser("doctor", help="report which pack, checksum and data-plane paths are active, and the "
                                            "memory the sync allocates for a model")
     doctor.add_argument("--model-config", help="YAML with a model shape ('policy:' or 'model:' section, or the fields), "
@@ -201,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server node (host staging: a copy per engine)")
     doctor.set_defaults(fn=cmd_doctor)
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, _on_interrupt)

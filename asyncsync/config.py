@@ -172,6 +172,14 @@ class WeightSyncConfig:
     on_divergence: str = "report"
 
     def __post_init__(self) -> None:
+        self._check_modes()
+        self._check_switches()
+        object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
+        self._check_backends_and_limits()
+        self._check_servers()
+
+    def _check_modes(self) -> None:
+        """The named modes, and the pairs of them that cannot work together."""
         if self.delta not in DELTA_MODES:
             raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
                               "the last version gets what changed since, off: every version whole)")
@@ -206,6 +214,8 @@ class WeightSyncConfig:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
                               "servers on this host, the data-plane group for the others)")
+
+    def _check_switches(self) -> None:
         if not isinstance(self.async_weight_update, bool):
             raise ConfigError(f"async_weight_update: expected true or false, got {self.async_weight_update!r}")
         if not isinstance(self.group_per_server, bool):
@@ -223,7 +233,8 @@ class WeightSyncConfig:
             raise ConfigError(f"funnel: expected true or false, got {self.funnel!r}")
         if self.snapshot not in ("device", "host"):
             raise ConfigError(f"snapshot: expected device or host, got {self.snapshot!r}")
-        object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
+
+    def _check_backends_and_limits(self) -> None:
         if self.backend not in DATA_PLANE_BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")
         if self.pack_backend not in backend_names():
@@ -234,6 +245,8 @@ class WeightSyncConfig:
             raise ConfigError(f"readmit_interval_s: expected a positive number of seconds, got {self.readmit_interval_s!r}")
         if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
             raise ConfigError(f"master_port: expected 0 (pick a free port) or a port number, got {self.master_port!r}")
+
+    def _check_servers(self) -> None:
         urls = [s.base_url for s in self.servers]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"servers: the same URL is listed twice: {urls}")

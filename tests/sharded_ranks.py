@@ -106,7 +106,7 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
     sync = WeightSync(sync_config(urls, **overrides))
     sync.connect(trainer.model)
     try:
-        held = sync._reader.read(trainer.model).tensors().sources  # the fused experts, as the ranks hold them
+        held = sync.connection.reader.read(trainer.model).tensors().sources  # the fused experts, as the ranks hold them
         report = dict(buffer_bytes=sync.buffer_bytes, host_buffer_bytes=sync.host_buffer_bytes, baseline_bytes=sync.baseline_bytes,
                       local_bytes=local_bytes(held, set(sync.layout.source_specs)), bucket_bytes=sync.plan.max_bucket_bytes,
                       model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.buffer_bytes,

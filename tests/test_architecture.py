@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -233,7 +234,7 @@ def test_every_import_follows_the_layer_order_of_the_design_and_nothing_imports_
     layers = design_layers()
     graph = import_graph()
     assert len(layers) >= 8 and len(graph) > 50, "the table or the package was not read"
-    assert "asyncsync.transport.send" in graph["asyncsync.trainer.sync"], "imports inside the package were not seen"
+    assert "asyncsync.transport.send" in graph["asyncsync.trainer.roles"], "imports inside the package were not seen"
     assert layering_problems(graph, layers) == []
 
 
@@ -298,3 +299,55 @@ def test_the_layer_check_sees_a_cycle_an_upward_import_and_an_unplaced_module():
     assert "import cycle: asyncsync.packing.a -> asyncsync.packing.b" in problems
     assert "asyncsync.protocol.x (layer 1) imports asyncsync.trainer.y (layer 3)" in problems
     assert "asyncsync.elsewhere is in no layer of docs/design.md" in problems
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60  # what a reader holds at once (docs/design.md, "Sizes")
+
+
+def size_problems(sources: dict[str, str]) -> list[str]:
+    """Classes over ``MAX_CLASS_LINES`` and functions (methods included) over ``MAX_FUNCTION_LINES``,
+    docstrings counted, in ``sources`` (module name -> its code)."""
+    problems = []
+    for module, code in sources.items():
+        for node in ast.walk(ast.parse(code)):
+            limit = {ast.ClassDef: MAX_CLASS_LINES, ast.FunctionDef: MAX_FUNCTION_LINES,
+                     ast.AsyncFunctionDef: MAX_FUNCTION_LINES}.get(type(node))
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                problems.append(f"{module}: {kind} {node.name} is {node.end_lineno - node.lineno + 1} lines "
+                                f"(at most {limit})")
+    return problems
+
+
+def test_no_class_or_function_of_the_package_is_longer_than_a_reader_can_hold():
+    sources = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert len(sources) > 50, "the package was not read"
+    assert size_problems(sources) == []
+
+
+def test_the_size_check_sees_a_long_class_and_a_long_method():
+    """Negative control: a class one line over, holding a method one line over."""
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    padding = "\n".join(f"    y{i} = {i}" for i in range(MAX_CLASS_LINES - MAX_FUNCTION_LINES - 1))
+    code = f"class Long:\n    def method(self):\n{body}\n{padding}\n"
+    assert size_problems({"asyncsync.long": code}) == [
+        f"asyncsync.long: class Long is {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})",
+        f"asyncsync.long: function method is {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
+
+
+def redefinitions(sources: dict[str, str]) -> list[str]:
+    """Top-level functions and classes defined twice in one module of ``sources``: the later one
+    silently replaces the first, which is then dead code nobody reads as such."""
+    problems = []
+    for module, code in sources.items():
+        seen = Counter(n.name for n in ast.parse(code).body
+                       if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+        problems += [f"{module}: {name} is defined {k} times" for name, k in seen.items() if k > 1]
+    return problems
+
+
+def test_no_module_of_the_package_defines_a_function_or_class_twice():
+    sources = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert redefinitions(sources) == []
+    assert redefinitions({"asyncsync.twice": "def f():\n    pass\n\n\ndef f():\n    pass\n"}) == [
+        "asyncsync.twice: f is defined 2 times"]  # the check sees one

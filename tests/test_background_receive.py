@@ -23,7 +23,8 @@ from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.specs import BucketPlan, TensorSpec
-from asyncsync.protocol.staging import BucketStager, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import BucketStager
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
 from fakes import FakeCuda

@@ -14,6 +14,7 @@ import torch
 
 from asyncsync.models import build_model
 from asyncsync.receivers.reference.app import ReferenceServer
+from asyncsync.trainer.allocate import sync_memory
 from asyncsync.trainer.sync import WeightSync
 
 from conftest import TINY
@@ -108,8 +109,8 @@ def test_doctor_prints_the_bytes_the_sync_allocates_per_mode(tmp_path):
                           str(model_yaml), "--config", str(sync_yaml)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     printed = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
-    measured = WeightSync(WeightSyncConfig.from_dict({"servers": ["http://unused"], "bucket_bytes": 16384})).memory(
-        build_model(TINY))
+    measured = sync_memory(WeightSyncConfig.from_dict({"servers": ["http://unused"], "bucket_bytes": 16384}),
+                           build_model(TINY))
     model_bytes = sum(t.nbytes for t in build_model(TINY).state_dict().values())
     assert measured["async_device"] == {"device": model_bytes, "host": 0, "conversion": 0}  # a dense model: renames only
     assert measured["async_host"]["host"] == model_bytes and measured["async_host"]["device"] <= 2 * 16384 * 4

@@ -30,7 +30,7 @@ from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 from asyncsync.packing import PackBackend, PackBackendUnavailable, check_against_torch, get_backend
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import ServerProcess, running
-from asyncsync.trainer import sync as sync_module
+from asyncsync.trainer import connect as connect_module
 from asyncsync.trainer.streams import StreamSet
 
 from conftest import TINY
@@ -54,7 +54,7 @@ def own_servers() -> Iterator[list[ServerProcess]]:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     cuda = FakeCuda(index=1)
-    monkeypatch.setattr(sync_module, "runtime_for", lambda device: cuda)
+    monkeypatch.setattr(connect_module, "runtime_for", lambda device: cuda)
     monkeypatch.setitem(packing.BACKENDS.targets, "fakecuda", "fakes:FakeCudaPack")
     monkeypatch.setattr(FakeCudaPack, "fake", cuda)
     cuda.enter_thread()  # the trainer computes on cuda:1

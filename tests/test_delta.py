@@ -10,6 +10,7 @@ import torch
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import generate
 from asyncsync.testing import mixed_dtype_model
+from asyncsync.trainer.allocate import sync_memory
 
 from conftest import TINY
 from helpers import digest
@@ -91,7 +92,7 @@ def test_a_dense_update_goes_whole_and_blocking_mode_stops_encoding_ahead(two_se
     start = max(s.get("/version")["version"] for s in two_servers)
     with WeightSync(config(two_servers)) as sync:
         sync.connect(model)
-        baseline = sync._baseline
+        baseline = sync.connection.publisher.baseline
         packed = []
         for version in range(start + 1, start + 12):
             with torch.no_grad():
@@ -123,7 +124,7 @@ def test_shared_memory_servers_get_every_version_whole_and_no_baseline_is_kept(t
 def test_doctor_reports_the_baseline_memory(delta):
     model = mixed_dtype_model(TINY)
     cfg = WeightSyncConfig.from_dict({"servers": ["http://127.0.0.1:1"], "delta": delta})
-    memory = WeightSync(cfg).memory(model)
+    memory = sync_memory(cfg, model)
     if delta == "auto":  # async mode's snapshot is a whole version: blocking mode keeps one more for deltas
         assert memory["blocking_delta"]["device"] == memory["blocking"]["device"] + memory["async_device"]["device"]
     else:

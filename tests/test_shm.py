@@ -16,9 +16,9 @@ from asyncsync import ConfigError, WeightSync, WeightSyncConfig
 from asyncsync.engines.base import UnsupportedServer
 from asyncsync.models import generate
 from asyncsync.packing.torch_backend import TorchPackBackend
+from asyncsync.protocol.admission import VersionRejected
 from asyncsync.protocol.shm import SEGMENT_PREFIX, SHM_DIR, HostIdentity
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.staging import VersionRejected
 from asyncsync.protocol.wire import BucketMeta, SharedVersion, UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.receivers.reference.receiver import WeightReceiver
@@ -50,7 +50,7 @@ def test_blocking_and_async_versions_arrive_bit_exact_and_serve_the_trainers_out
     for mode, first in ((False, 100), (True, 200)):
         with WeightSync(config(urls, async_weight_update=mode)) as sync:
             sync.connect(model)
-            (members,) = sync._members
+            (members,) = sync.connection.role.members
             assert members.group is None and members.shared == set(urls), "same-host servers form no data-plane group"
             for v in range(first, first + 4):
                 sync.wait_snapshot()
@@ -58,9 +58,10 @@ def test_blocking_and_async_versions_arrive_bit_exact_and_serve_the_trainers_out
                 result = sync.publish(model, v)
                 if result is not None:
                     assert result.server_versions == {u: v for u in urls}, result.failures
+            pool = sync.connection.pool
             sync.close()
             assert sync.server_versions == {u: first + 3 for u in urls}
-            assert sync._pool is None, "close() unlinks the segments"
+            assert pool._segments == [], "close() unlinks the segments"
         for s in two_servers:
             got = s.get("/weights/digest")
             assert got["version"] == first + 3 and got["digest"] == digest(model)
@@ -80,14 +81,14 @@ def test_the_reference_server_serves_from_the_mapping_and_segments_are_reused_un
             assert sync.publish(model, v).server_versions == {ts.url: v}
             (held,) = server.receiver.holds
             names.append(held)
-            assert sync._pool._holds[ts.url] == {held}, "the trainer knows what the server maps"
+            assert sync.connection.pool._holds[ts.url] == {held}, "the trainer knows what the server maps"
             assert digest(server.model) == digest(model)
         # Zero copy: the live weights are views of the segment the server holds.
         live = server.model.lm_head.weight
-        assert live.untyped_storage().nbytes() >= sync._pool.nbytes
+        assert live.untyped_storage().nbytes() >= sync.connection.pool.nbytes
         # The segment a server maps is never the one the next version is packed into; freed ones are reused.
         assert all(a != b for a, b in zip(names, names[1:]))
-        assert names[0] == names[2] and names[1] == names[3] and len(sync._pool._segments) == 2
+        assert names[0] == names[2] and names[1] == names[3] and len(sync.connection.pool._segments) == 2
 
 
 class ElsewhereServer(ReferenceServer):
@@ -103,7 +104,7 @@ def test_local_and_remote_servers_mix_in_one_version():
     with ThreadedServer(local) as a, ThreadedServer(remote) as b:
         with WeightSync(config([a.url, b.url])) as sync:
             sync.connect(model)
-            (members,) = sync._members
+            (members,) = sync.connection.role.members
             assert members.shared == {a.url} and members.group is not None and members.group.layout == [("asyncsync", 2)]
             for v in (1, 2):
                 weights(model, v)
@@ -114,7 +115,7 @@ def test_local_and_remote_servers_mix_in_one_version():
             WeightSync(config([a.url, b.url], transport="shm")).connect(model)
         with WeightSync(config([a.url, b.url], transport="collective")) as sync:
             sync.connect(model)
-            assert sync._members[0].shared == set() and sync._members[0].group.layout == [("asyncsync", 3)]
+            assert sync.connection.role.members[0].shared == set() and sync.connection.role.members[0].group.layout == [("asyncsync", 3)]
             weights(model, 3)
             assert sync.publish(model, 3).server_versions == {a.url: 3, b.url: 3}
 
@@ -131,7 +132,7 @@ def test_a_same_host_sglang_server_gets_the_collective_and_shm_refuses_it():
             WeightSync(config(servers, transport="shm")).connect(model)
         with WeightSync(config(servers)) as sync:
             sync.connect(model)
-            assert sync._members[0].shared == set() and sync._members[0].group is not None
+            assert sync.connection.role.members[0].shared == set() and sync.connection.role.members[0].group is not None
             weights(model, 1)
             assert sync.publish(model, 1).server_versions == {ts.url: 1}
             assert digest(server.model) == digest(model)
@@ -255,11 +256,11 @@ def test_a_server_that_dies_or_hangs_while_reading_blocks_no_one_and_its_segment
             assert result.server_versions == {good.url: 1} and bad.url in result.failures
             assert took < 4.0 + 3.0, f"the trainer waited {took:.1f}s, past the update deadline"
             assert [e.server for e in sync.events if e.kind == "evicted"] == [bad.url]
-            read = sync._shared.segment.name
+            read = sync.connection.publisher.shared[0].segment.name
             assert not os.path.exists(os.path.join(SHM_DIR, read)), "the segment it was reading is retired"
             for v in (2, 3):
                 weights(model, v)
                 assert sync.publish(model, v).server_versions == {good.url: v}
-                assert sync._shared.segment.name != read
+                assert sync.connection.publisher.shared[0].segment.name != read
             assert good.get("/weights/digest")["digest"] == digest(model)
         assert segments(os.getpid()) == []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
-from asyncsync.trainer import sync as sync_module
+from asyncsync.trainer import connect as connect_module
 from asyncsync.testing import ServerProcess, mixed_dtype_model
 
 from conftest import TINY
@@ -32,7 +32,7 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture
 def late(monkeypatch: pytest.MonkeyPatch) -> Iterator[LateStreams]:
     fake = LateStreams(delay_s=0.05)
-    monkeypatch.setattr(sync_module, "StreamSet", lambda runtime: fake)
+    monkeypatch.setattr(connect_module, "StreamSet", lambda runtime: fake)
     yield fake
     fake.close()
 

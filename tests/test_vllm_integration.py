@@ -478,7 +478,7 @@ def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.utils import is_weights_pre_processed
 
-    from asyncsync.protocol.staging import VersionRejected
+    from asyncsync.protocol.admission import VersionRejected
     from asyncsync.receivers.vllm.ties import TiedModules
 
     class CopyingMethod(QuantizeMethodBase):

@@ -11,7 +11,6 @@ at ``connect``, naming the tensors on both sides. Selected with ``-m vllm`` (scr
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path

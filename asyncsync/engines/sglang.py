@@ -1,48 +1,16 @@
 """Client of SGLang's HTTP weight-update API (``python -m sglang.launch_server``), SGLang 0.5.20-0.5.23.
 
-Written to SGLang's own source (the 0.5.20-0.5.23 wheels; see docs/engines/sglang.md). Per trainer
-session and epoch::
+Written to SGLang's own source (the 0.5.20-0.5.23 wheels). Per epoch it makes SGLang's named group
+(``/init_weights_update_group``, a name unique per trainer session); per version it pauses, posts one
+flattened bucket per ``/update_weights_from_distributed`` while the trainer broadcasts, resumes and
+reads the live version from ``/model_info``. SGLang servers get a data-plane group of their own
+(``SGLANG_PROTOCOL``: no warm-up, no checksum manifest) and always whole versions.
+``SglangAdapterEngine`` serves ``lora: adapter`` through an asyncsync receiver on SGLang's host.
 
-    GET  /server_info                            tp_size ranks; data-parallel replicas and pipeline
-                                                 stages are refused (UnsupportedServer)
-    POST /destroy_weights_update_group           the previous epoch's group, if this client made one
-    POST /init_weights_update_group              group "<group_name>.<session>.<epoch>": unique per
-                                                 trainer session, so a restarted trainer never meets
-                                                 a name SGLang (torch) still holds
-
-One version::
-
-    POST /pause_generation {"mode": "retract"}       policy ``pause``: running requests go back to
-                                                     the queue and are recomputed after the update
-    POST /begin_weight_update {}                     SGLang >= 0.5.21 (404 on 0.5.20: no session)
-    POST /update_weights_from_distributed  x buckets  one flattened bucket each, posted in order while
-                                                     the trainer broadcasts; the last one carries
-                                                     weight_version and flush_cache (policy
-                                                     ``reset_prefix_cache``)
-    POST /end_weight_update {}
-    POST /continue_generation {}
-    GET  /model_info                                 ``weight_version``: the live version
-
-A refused bucket either took part in its broadcast (the model's loader refused it afterwards: the
-rest of the version is still posted, so the trainer's broadcasts stay matched) or did not (no
-session, unknown group, a layout SGLang rejects, anything unrecognised): then nothing more is
-posted, and ``abort`` destroys the server's group. Its side of the group closes, so the trainer's
-pending broadcast fails at once instead of waiting ``collective_s``, the data plane of the version
-counts as broken and the next epoch forms a fresh group (``transport.send``). The same happens when
-``begin`` fails: the server will not receive the version.
-
-SGLang joins the trainer's group without a warm-up broadcast and knows nothing of asyncsync's
-checksum manifest, so its servers get a group of their own (``SGLANG_PROTOCOL``). It also applies
-every bucket as it arrives: a failure half-way leaves a mix of versions, which the client reports
-without advancing the version (send a full version again).
-
-``lora: adapter`` (``SglangAdapterEngine``): SGLang loads adapters only from a path on its own host
-(``/load_lora_adapter``) and runs no code of ours, so each version's bytes go to an asyncsync
-receiver on that host (``servers[].lora_receiver``: ``asyncsync serve``), which verifies the
-adapter and writes its PEFT directory; the client then loads it into SGLang under ``<name>-v<N>``
-and unloads old versions (``/unload_lora_adapter``), with SGLang's own request structs
-(``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``), and names the version in a generation
-request's ``lora_path``. SGLang cannot tell which base it serves: start it on the trainer's base.
+What a caller must know: SGLang applies each bucket as it arrives and verifies no checksum. A bucket
+refused before its broadcast stops the version and ``abort`` destroys the server's group, so the
+trainer's broadcast fails at once; one refused after it leaves a mix of versions until the next full
+version. docs/engines/sglang.md has every call, every refusal and what is verified.
 """
 
 from __future__ import annotations

@@ -1,54 +1,15 @@
 """asyncsync inside TRL 1.16: GRPOTrainer's vLLM server mode, and AsyncGRPOTrainer's ``weight_transfer``.
 
-**GRPOTrainer** (``trl.GRPOTrainer`` with ``use_vllm=True, vllm_mode="server"``): TRL syncs the
-policy in ``VLLMGeneration.sync_weights`` right before each step's generation, tensor by tensor over
-vLLM's NCCL backend (CUDA only), blocking. ``GRPOTrainer`` here is TRL's trainer with that one
-object replaced; the user's config is unchanged and asyncsync is switched on by one argument::
+``GRPOTrainer`` is TRL's trainer (``use_vllm=True, vllm_mode="server"``) with its ``VLLMGeneration``
+replaced, so asyncsync moves the weights to stock vLLM servers that run asyncsync's backend. The user
+adds one argument, ``weight_sync=`` (a YAML file, a dict or a ``WeightSyncConfig``):
+``async_weight_update: false`` keeps TRL's semantics exactly, ``true`` lets rollouts lag up to
+``max_staleness`` versions, each rollout's version logged beside TRL's metrics. ``WeightTransfer``
+implements AsyncGRPOTrainer's ``WeightTransferProtocol``.
 
-    from asyncsync.integrations.trl import GRPOTrainer          # instead of trl's
-    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=url, ...), train_dataset=..., weight_sync="weight_sync.yaml")
-    trainer.train()
-
-The servers are stock vLLM with asyncsync's backend (README "Servers"). ``weight_sync`` is a YAML
-file (its ``weight_sync`` section if it has one), a dict or a ``WeightSyncConfig``; without
-``servers`` it syncs TRL's own server. Listed servers must include TRL's, and generation is spread
-over all of them (each request with its deadline; a server that fails or serves too old a version
-is skipped and tried again after ``readmit_interval_s``), so a dead server is evicted from the sync
-and from generation while the run goes on.
-
-* ``async_weight_update: false`` keeps TRL's semantics exactly: the rollouts of step t+1 come from
-  the weights after step t (``publish`` returns once every server applied them).
-* ``async_weight_update: true`` publishes at the same point and returns at once; the sync runs
-  while the step generates and trains (the snapshot is waited for just before the optimizer step).
-  Rollouts may then come from a version up to ``max_staleness`` older: before generating, the
-  trainer waits until every server is within it, and a server still older is not asked. The first
-  version is always waited for (servers may hold anything before it). What it trades: the sync's
-  time for rollouts one version behind (GRPO with ``max_staleness: 1`` is one step off-policy), which
-  TRL's importance-sampling correction (``vllm_importance_sampling_correction``, on by default) weighs
-  with the logprobs the rollout's own version produced.
-
-Every rollout's version comes from the server's answer (``/weight_info`` before and after the
-request: exact when equal) and is logged with TRL's metrics (``asyncsync/version_lag/mean`` and
-``max`` beside ``sampling/sampling_logp_difference/mean``, ``asyncsync/rollout_version/min``,
-``asyncsync/versions_exact``, ``asyncsync/sync_s``); the last generation's are in
-``trainer.vllm_generation.rollouts``. Versions continue from the servers' live versions, so a
-restarted trainer works against running servers.
-
-TRL has no hook for this: ``GRPOTrainer`` builds its ``VLLMGeneration`` in ``__init__``, so this
-trainer's ``__init__`` has the TRL module build asyncsync's subclass instead (overriding the private
-``_init_vllm`` and ``sync_weights``), under a lock and only while it constructs. Tested with TRL
-1.16.0 (the ``trl`` extra); another version is used with a warning.
-
-**AsyncGRPOTrainer** (``trl.experimental.async_grpo``): ``WeightTransfer`` implements its
-``WeightTransferProtocol``. TRL pauses, sends and resumes every ``weight_sync_steps``; here
-``pause``/``resume`` pause nothing: vLLM keeps generating while asyncsync receives and verifies the
-version in the background and holds the engine only to load it (``receive: background``).
-
-Multi-process TRL (accelerate): every rank calls ``sync_weights`` (TRL's design); with FSDP2
-(DTensor parameters) every rank takes part in the sync (``trainer_ranks: auto``: each bucket's
-owner gathers it), with replicated weights (DDP) rank 0 syncs alone. TRL is imported only when one
-of this module's TRL classes is first used.
+What a caller must know: this overrides TRL's private ``_init_vllm`` and ``sync_weights``, so it is
+tested with TRL 1.16.0 only (another version gets a warning). Every rank of a multi-process
+(accelerate) run calls it, as TRL does. TRL is imported on first use. The rest: docs/trl.md.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ from typing import Any
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import TensorSpec
-from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import BucketStager, StagedVersion
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 
 log = logging.getLogger(__name__)

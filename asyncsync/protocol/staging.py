@@ -19,38 +19,27 @@ collective. On the data plane every payload's size is first agreed through a fra
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from asyncsync.protocol.admission import (
+    Admission,
+    BucketRefused,
+    VersionRejected,
+    reject_if,
+)
 from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.checksum import bucket_crc
-from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.device import HostRuntime, Runtime
-from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
-from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.receive import FramedReceive, Unframed
 from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
-from asyncsync.protocol.specs import LAYOUT_REFUSED, Bucket, TensorSpec, layout_mismatch, unpack
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, LayoutCheck, UpdateRequest, WireError
+from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest, WireError
 
 log = logging.getLogger(__name__)
-
-MAX_REPORTED_PROBLEMS = 5
-
-
-class VersionRejected(Exception):
-    """A version was received but not applied; the old weights keep serving. The message says why;
-    one refused for its layout says ``specs.LAYOUT_REFUSED``: every version of that plan would be."""
-
-
-class BucketRefused(VersionRejected):
-    """A bucket sent one per request (SGLang's protocol) was refused before its broadcast: the
-    receiver took no part in it, so the sender must not wait for this receiver."""
-
-
-class _Unframed(Exception):
-    """A frame header disagreed with the announcement: its payload must not be received."""
 
 
 @dataclass(frozen=True)
@@ -120,13 +109,8 @@ class BucketStager:
     def __init__(self, expected: Mapping[str, TensorSpec], join_route: str, runtime: Runtime | None = None,
                  arenas: Sequence[Arena] = (), max_version_bytes: int | None = None,
                  abandoner: Abandoner | None = None):
-        self.expected = dict(expected)
+        self.admission = Admission(expected, max_version_bytes)  # what a version may hold, and its bytes
         self.join_route = join_route  # named in the error when an update arrives before the group
-        # The staging budget: the most bytes one version may make this receiver allocate. A valid
-        # version holds every expected tensor exactly once, so the model's own size is the default;
-        # more can only repeat or invent tensors.
-        self.model_bytes = sum(spec.nbytes for spec in self.expected.values())
-        self.max_version_bytes = self.model_bytes if max_version_bytes is None else max_version_bytes
         self.abandoner = abandoner  # lets another thread give up a join that hangs on a silent peer
         # Buffers are staged on the receiver's weights' device; its runtime also decides the group's
         # backend (an NCCL group is refused for weights that are not on CUDA).
@@ -203,54 +187,20 @@ class BucketStager:
         verified, and no answer given, before the data is really in the buffers."""
         if req.shm is not None:
             return self.adopt(req, served_version, carrying)
-        group = self._require_group()
+        self._require_group()
         self.discard()
-        base = self._committed
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
         self._refuse_unreceivable(req, buckets, carrying)
-        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
+        problems = self.admission.check_complete(list(buckets), req.version, served_version, carrying)
+        base = self._committed
         unusable = _check_base(req, base) if req.delta is not None else []
         problems += unusable
-        base = None if unusable else base
         target = self._set_for(req.buckets)
-        staged = StagedVersion.of(req.version, target.buffers, buckets)
-        n = len(req.buckets)
-        # Deltas land in buffers of their own and are rebuilt into the target once they arrived.
-        deltas = [torch.empty(k, dtype=torch.uint8, device=group.device) if k else None
-                  for k in (req.delta.nbytes if req.delta is not None else [0] * n)]
-        ring = self._ring
-        if ring is not None:
-            ring.reserve(max((m.nbytes for m in req.buckets), default=0))
-        payloads = [d if d is not None else ring.slot(i, buf.numel()) if ring is not None else buf
-                    for i, (d, buf) in enumerate(zip(deltas, target.buffers))]
-        if req.checksum:
-            payloads.append(torch.zeros(n, dtype=torch.int64, device=group.device))
-        frames = VersionFrames.of(req)
-        crcs: list[int | torch.Tensor | None] = []
-        header: tuple[DataPlaneGroup, Work, torch.Tensor] | None = None
-        landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
+        receive = FramedReceive(req, self.groups, self.runtime, self._ring, target.buffers, buckets,
+                                None if unusable or base is None else base.buffers, problems)
         try:
-            header = self._post_header(req, 0)
-            for i, payload in enumerate(payloads):
-                on = self.groups[req.source(i)]
-                problem = frames.mismatch(self._header(*header), i, payload.numel() * payload.element_size())
-                if problem is not None:
-                    if landing is not None:
-                        landing[0].wait(landing[1])
-                    raise _Unframed(problem)
-                work = on.broadcast_async(payload, req.deadline_s(i))
-                if i + 1 < len(payloads):
-                    header = self._post_header(req, i + 1)
-                if landing is not None:
-                    landing[0].wait(landing[1])
-                    self._landed(len(crcs), req.checksum, buckets, payloads, deltas, target, base, problems, crcs)
-                landing = (on, work)
-            assert landing is not None
-            landing[0].wait(landing[1])
-            if ring is not None:  # the last bucket too: the manifest is not one
-                self._landed(len(crcs), req.checksum, buckets, payloads, deltas, target, base, problems, crcs)
-                self.runtime.host_wait(self.runtime.record())  # the arena holds every byte before it is read
-        except (_Unframed, DataPlaneError) as e:
+            receive.run()
+        except (Unframed, DataPlaneError) as e:
             failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
         else:
             failed = None
@@ -259,75 +209,26 @@ class BucketStager:
             # fails at once; after a failed one the group's collectives are out of step. Raised as text,
             # out of the handler: an exception chained to the failure would keep its works, and with
             # them the group's sockets, alive.
-            header = landing = work = None  # noqa: F841 - the works, dropped before the group
             self.close(broken=True)
             problem, data_plane = failed
             if data_plane:
                 raise DataPlaneError(problem)
             raise VersionRejected(f"version {req.version} rejected before its payload: {problem}; left the "
                                   f"data-plane group (call {self.join_route} again)")
-        if req.checksum:
-            manifest = payloads[n].tolist()
-            bad = [i for i, (got, want) in enumerate(zip(crcs, manifest)) if got is not None and int(got) != want]
-            if bad:
-                problems.append(f"checksum mismatch in bucket(s) {bad}")
-        _reject_if(problems, req.version)
-        return staged
-
-    def _landed(self, j: int, checksum: bool, buckets: tuple[Bucket, ...], payloads: list[torch.Tensor],
-                deltas: list[torch.Tensor | None], target: _FlatSet, base: StagedVersion | None, problems: list[str],
-                crcs: list[int | torch.Tensor | None]) -> None:
-        """Payload ``j`` has arrived (``j`` < the bucket count): checksum it (on a device: computed
-        there, read once at the end), rebuild it from its delta, or copy it from the ring to the arena."""
-        if j >= len(target.buffers):
-            return
-        delta = deltas[j]
-        if delta is not None:
-            crc = self._rebuild(j, delta, base, target.buffers[j], buckets[j], problems)
-        else:
-            crc = bucket_crc(payloads[j]) if checksum else None
-            if self._ring is not None:
-                self._ring.settle(payloads[j], target.buffers[j])
-        crcs.append(crc)
-
-    def _rebuild(self, index: int, payload: torch.Tensor, base: StagedVersion | None, out: torch.Tensor,
-                 bucket: Bucket, problems: list[str]) -> int | torch.Tensor | None:
-        """Bucket ``index`` rebuilt into ``out`` from the committed version and its delta; its CRC32C,
-        or None (and a problem) when there is no usable baseline or the delta does not decode."""
-        if base is None:
-            return None
-        try:
-            return rebuild(payload.to(out.device), base.buffers[index], out, delta_word(bucket))
-        except DeltaError as e:
-            problems.append(f"bucket {index}'s delta does not decode: {e}")
-            return None
-
-    def _post_header(self, req: UpdateRequest, index: int) -> tuple[DataPlaneGroup, Work, torch.Tensor]:
-        """Post the receive of frame ``index``'s header, on the group its payload arrives on. Its
-        deadline covers the previous frame's payload too, which the sender broadcasts before it."""
-        group = self.groups[req.source(index)]
-        deadline = req.deadline_s(index)
-        if deadline is not None and index:
-            deadline += req.deadline_s(index - 1) or 0.0
-        buf = empty_header(group.device)
-        return group, group.broadcast_async(buf, deadline), buf
-
-    @staticmethod
-    def _header(group: DataPlaneGroup, work: Work, buf: torch.Tensor) -> FrameHeader | None:
-        group.wait(work)
-        return FrameHeader.parse(buf)
+        reject_if(problems, req.version)
+        return StagedVersion.of(req.version, target.buffers, buckets)
 
     def _refuse_unreceivable(self, req: UpdateRequest, buckets: tuple[Bucket, ...],
                              carrying: Mapping[str, TensorSpec] | None = None) -> None:
         """Refuse, before any receive is posted or any buffer allocated, a version that names a tensor
         it must not carry, needs more than the staging budget, or arrives on a group not joined;
         the groups are left so that the trainer's broadcasts fail at once instead of waiting."""
-        why = self._unstageable(buckets, req.nbytes, whole=True, carrying=carrying)
+        why = self.admission.unstageable(buckets, req.nbytes, whole=True, carrying=carrying)
         if req.sources and max(req.sources) >= len(self.groups):
             why.append(f"it names group {max(req.sources)}, but {len(self.groups)} were joined")
         if why:
             self.close(broken=True)
-            _reject_if([*why, f"nothing was received; call {self.join_route} again"], req.version)
+            reject_if([*why, f"nothing was received; call {self.join_route} again"], req.version)
 
     def adopt(self, req: UpdateRequest, served_version: int,
               carrying: Mapping[str, TensorSpec] | None = None) -> StagedVersion:
@@ -346,8 +247,8 @@ class BucketStager:
             raise VersionRejected(f"version {req.version} rejected: the trainer's shared memory is on another host "
                                   f"({shm.host}, here {HostIdentity.here()}): use transport: collective for this server")
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
-        problems = self._check_complete(list(buckets), req.version, served_version, carrying)
-        _reject_if(problems, req.version)
+        problems = self.admission.check_complete(list(buckets), req.version, served_version, carrying)
+        reject_if(problems, req.version)
         try:
             mapped = self._mapping(shm.segment, max(o + b.nbytes for o, b in zip(shm.offsets, buckets)))
         except ShmUnavailable as e:
@@ -360,7 +261,7 @@ class BucketStager:
                 dst.copy_(mapped[o : o + b.nbytes])
         if req.checksum:
             bad = [i for i, (view, want) in enumerate(zip(views, shm.crcs)) if bucket_crc(view) != want]
-            _reject_if([f"checksum mismatch in bucket(s) {bad}"] if bad else [], req.version)
+            reject_if([f"checksum mismatch in bucket(s) {bad}"] if bad else [], req.version)
         return StagedVersion.of(req.version, views, buckets, segment)
 
     def _mapping(self, segment: str, nbytes: int) -> torch.Tensor:
@@ -416,24 +317,24 @@ class BucketStager:
             received = set()
         index = len(self._partial)
         bucket = meta.to_bucket(index)
-        why = self._unstageable((bucket,), sum(m.nbytes for m, _, _ in self._partial) + meta.nbytes, whole=False)
+        why = self.admission.unstageable((bucket,), sum(m.nbytes for m, _, _ in self._partial) + meta.nbytes, whole=False)
         if why:
             self.discard()
             raise BucketRefused("bucket refused before its broadcast: " + "; ".join(why))
         buf = self._spare_buffer(index, meta)
         group.broadcast(buf)
         self._partial.append((meta, buf, bucket))
-        problems = self._check_specs(bucket.specs, received)
+        problems = self.admission.check_specs(bucket.specs, received)
         if problems:
             self._partial_problems.extend(problems)
-            _reject_if(problems, None)
+            reject_if(problems, None)
 
     def seal(self, version: int, served_version: int) -> StagedVersion:
         """Close the version assembled by ``receive_bucket``: it must hold every expected tensor."""
         parts, earlier = self._partial, self._partial_problems
         self.discard()
         buckets = [b for _, _, b in parts]
-        _reject_if(earlier or self._check_complete(buckets, version, served_version), version)
+        reject_if(earlier or self.admission.check_complete(buckets, version, served_version), version)
         fresh = _FlatSet(tuple(m for m, _, _ in parts), tuple(buf for _, buf, _ in parts))
         self._sets = [s for s in (self._live, fresh) if s is not None]
         return StagedVersion.of(version, fresh.buffers, tuple(buckets))
@@ -452,50 +353,6 @@ class BucketStager:
 
     def _new_buffer(self, meta: BucketMeta) -> torch.Tensor:
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=self.runtime.device)
-
-    def _unstageable(self, buckets: Iterable[Bucket], nbytes: int, whole: bool,
-                     carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
-        """Why nothing may be allocated for ``buckets`` (staging ``nbytes`` in all): names the model
-        does not have (with ``whole``, a whole version: also what it lacks), or more bytes than the
-        staging budget."""
-        expected = self.expected if carrying is None else carrying
-        specs = [s for b in buckets for s in b.specs]
-        unknown = any(s.name not in expected for s in specs)
-        why = [layout_mismatch(expected, specs, part=not whole) or ""] if unknown else []  # marked lasting
-        if nbytes > self.max_version_bytes:
-            why.append(f"it needs {nbytes} bytes of staging, more than this receiver's budget of "
-                       f"{self.max_version_bytes} (the served model is {self.model_bytes})")
-        return why
-
-    def _check_specs(self, specs: Iterable[TensorSpec], seen: set[str]) -> list[str]:
-        """Problems with ``specs`` given the names ``seen`` earlier in the version (updated in place)."""
-        problems = []
-        for spec in specs:
-            want = self.expected.get(spec.name)
-            if spec.name in seen:
-                problems.append(f"tensor '{spec.name}' sent twice")
-            elif want is None:
-                problems.append(f"unknown tensor '{spec.name}'")
-            elif (want.dtype, want.shape) != (spec.dtype, spec.shape):
-                problems.append(f"'{spec.name}': got {spec.dtype} {spec.shape}, expected {want.dtype} {want.shape}")
-            seen.add(spec.name)
-        return [f"{LAYOUT_REFUSED}: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS])] if problems else []
-
-    def _check_complete(self, buckets: list[Bucket], version: int, served_version: int,
-                        carrying: Mapping[str, TensorSpec] | None = None) -> list[str]:
-        problems = []
-        if version <= served_version:
-            problems.append(f"version {version} is not newer than the served version {served_version}")
-        mismatch = layout_mismatch(self.expected if carrying is None else carrying, [s for b in buckets for s in b.specs])
-        return [mismatch, *problems] if mismatch else problems  # first: what the server loads
-
-    def check_layout(self, check: LayoutCheck) -> None:
-        """Raise ``VersionRejected`` (saying ``LAYOUT_REFUSED`` and the differences) unless the trainer
-        plans to send exactly the tensors this receiver expects: asked at the trainer's ``connect``."""
-        problem = layout_mismatch(self.expected, check.specs)
-        if problem is not None:
-            log.warning("the trainer's plan was refused: %s", problem)
-            raise VersionRejected(problem)
 
     def mark_live(self, staged: StagedVersion) -> None:
         """The live weights now alias ``staged``'s buffers: receive the next version elsewhere."""
@@ -528,10 +385,3 @@ def _check_base(req: UpdateRequest, base: StagedVersion | None) -> list[str]:
         return [f"delta against version {req.delta.base}, but this receiver committed version {base.version}"
                 + ("" if base.version != req.delta.base else " in another bucket layout") + ": send it whole"]
     return []
-
-
-def _reject_if(problems: list[str], version: int | None) -> None:
-    if problems:
-        what = f"version {version}" if version is not None else "bucket"
-        log.warning("rejected %s: %s", what, "; ".join(problems))
-        raise VersionRejected(f"{what} rejected: " + "; ".join(problems[:MAX_REPORTED_PROBLEMS]))

@@ -74,6 +74,16 @@ def new_session() -> str:
     return session_prefix() + secrets.token_hex(4)
 
 
+def _conflict(conflicts: dict[str, str]) -> TrainerConflict:
+    """What to say when another trainer session owns servers (``conflicts``: server -> the owner's answer)."""
+    this_process = f"{OWNER_SAYS} '{session_prefix()}"
+    who = ("another WeightSync of this process, never closed, still holds these servers: close() it first"
+           if any(this_process in c for c in conflicts.values()) else
+           "another trainer process already syncs these servers; run one trainer per set of servers "
+           "(a multi-rank trainer: every rank calls the same WeightSync, with trainer_ranks: auto, never one each)")
+    return TrainerConflict(f"{who}: " + "; ".join(conflicts.values()))
+
+
 class Membership:
     """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
 
@@ -120,12 +130,7 @@ class Membership:
         try:
             members.form(members.engines, refuse_unsupported=True, takeover=config.takeover)
             if members.conflicts:
-                this_process = f"{OWNER_SAYS} '{session_prefix()}"
-                who = ("another WeightSync of this process, never closed, still holds these servers: close() it first"
-                       if any(this_process in c for c in members.conflicts.values()) else
-                       "another trainer process already syncs these servers; run one trainer per set of servers "
-                       "(a multi-rank trainer: every rank calls the same WeightSync, with trainer_ranks: auto, never one each)")
-                raise TrainerConflict(f"{who}: " + "; ".join(members.conflicts.values()))
+                raise _conflict(members.conflicts)
             if not members.members:
                 raise SyncError("no server could join the data plane: " + "; ".join(members.evicted.values()))
         except BaseException:
@@ -189,17 +194,7 @@ class Membership:
         self.drop_group()
         self.conflicts = {}
         cfg = self.config
-        sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
-        self.server_ranks.update({u: n for u, n in sizes.items() if isinstance(n, int)})
-        unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
-        if refuse_unsupported and unsupported:
-            raise unsupported[0]
-        alive = self._drop_unreachable(candidates, sizes)
-        self.shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
-        if cfg.transport == "shm":
-            alive = [e for e in alive if e.url in self.shared]  # the others were evicted: not on this host
-        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
-        alive = self._drop_unreachable(alive, claims)
+        alive, sizes = self._claim(candidates, refuse_unsupported, takeover)
         token = self.session.rsplit(":", 1)[-1]
         retried = False
         while alive:
@@ -248,6 +243,22 @@ class Membership:
             if self.evicted.pop(e.url, None) is not None:
                 self.metrics.event("rejoined", e.url, None, f"epoch {self.epoch}")
         self.refresh_versions()
+
+    def _claim(self, candidates: list[EngineClient], refuse_unsupported: bool,
+               takeover: bool) -> tuple[list[EngineClient], dict[str, Any]]:
+        """The candidates that answer (on this host with ``transport: shm``), claimed for this session,
+        and each one's answer to ``world_size``; sets ``shared`` (the same-host servers)."""
+        sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        self.server_ranks.update({u: n for u, n in sizes.items() if isinstance(n, int)})
+        unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
+        if refuse_unsupported and unsupported:
+            raise unsupported[0]
+        alive = self._drop_unreachable(candidates, sizes)
+        self.shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
+        if self.config.transport == "shm":
+            alive = [e for e in alive if e.url in self.shared]  # the others were evicted: not on this host
+        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
+        return self._drop_unreachable(alive, claims), sizes
 
     def refresh_versions(self) -> None:
         """Ask every member the version it serves: its weights', or its newest of ``adapter``'s."""

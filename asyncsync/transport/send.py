@@ -329,19 +329,3 @@ def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float
         except Exception as e:  # the phase's own failure
             out[url] = e
     return out
-
-
-def _collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float) -> dict[str, Any]:
-    """Each server's result (or exception) of one phase run in the control loop. The phase carries its
-    own deadline, so this wait only guards against a bug: past it, a server still pending has failed."""
-    out: dict[str, Any] = {}
-    give_up = time.monotonic() + within_s + SLACK_S
-    for url, future in futures.items():
-        try:
-            out[url] = future.result(max(0.0, give_up - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            out[url] = ServerError(url, f"no answer within {within_s:.1f}s", timed_out=True)
-        except Exception as e:  # the phase's own failure
-            out[url] = e
-    return out

@@ -347,7 +347,7 @@ def run_sync(urls: list[str], examples: int) -> None:
                 check_served(None, v)
             return
         errors = len(sync.errors)
-        worker = sync._worker
+        worker = sync.connection.publisher.worker
         gate = threading.Event()
         take = worker._take
         if after_publish:  # the snapshot reads the weights only once they were freed or resized

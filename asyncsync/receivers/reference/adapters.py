@@ -39,7 +39,8 @@ from asyncsync.protocol.lora import (
     ADAPTER_REFUSED, CONFIG_FILE, WEIGHTS_FILE, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name,
 )
 from asyncsync.protocol.specs import TensorSpec
-from asyncsync.protocol.staging import StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import WireError, sane_text, shown
 from asyncsync.receivers.adapters import AdapterFiles
 from asyncsync.receivers.reference.receiver import WeightReceiver
@@ -67,7 +68,7 @@ class ServedAdapters:
         self._written: dict[str, int] = {}  # slot -> the newest version written there
 
     def check(self, check: AdapterCheck) -> None:
-        problems = adapter_problems(self.receiver.stager.expected, check.specs, check.config)
+        problems = adapter_problems(self.receiver.stager.admission.expected, check.specs, check.config)
         if problems:
             raise VersionRejected(f"{ADAPTER_REFUSED}: the adapter does not fit the served model: " + "; ".join(problems[:3]))
         try:
@@ -86,7 +87,7 @@ class ServedAdapters:
         specs = [s for b in update.update.buckets for s in b.to_bucket(0).specs]
         served = self._written.get(update.adapter.slot, 0)
         staged = self.receiver.stager.receive(update.update, served, {s.name: s for s in specs})
-        problems = adapter_problems(self.receiver.stager.expected, specs, update.adapter.config)
+        problems = adapter_problems(self.receiver.stager.admission.expected, specs, update.adapter.config)
         if problems:  # judged once every broadcast was taken part in
             raise VersionRejected(f"adapter version {update.update.version} rejected: " + "; ".join(problems[:3]))
         self._staged = (update, staged)

@@ -1,54 +1,16 @@
 """The reference server's HTTP API (aiohttp): generation, health, version and the weight-update protocol.
 
-Routes (JSON in and out)::
+``ReferenceServer`` serves asyncsync's own routes (``/generate``, ``/score``, ``/health``, the
+weight-update routes ``/claim``, ``/init_group``, ``/update``, ``/end``, ...), the LoRA adapter
+routes (``asyncsync.receivers.reference.adapters``) and SGLang 0.5.23's weight-update API
+(``asyncsync.receivers.reference.sglang_api``; ``sglang_sessions=False`` answers as SGLang 0.5.20).
+Data-plane work runs on one dedicated thread and generation on another, so the old weights serve
+while a new version streams in, and every data-plane call ends by its own deadline.
 
-    GET  /health            {"status": "ok", "version": v}
-    GET  /version           {"version": v, "applied": [recent versions swapped in, oldest first]}
-    GET  /world_size        {"world_size": 1, "protocol": 2}   data-plane ranks this server needs, and the
-                            data-plane protocol it speaks (``protocol.wire.PROTOCOL_VERSION``)
-    GET  /host              {"host": {"boot_id", "shm_dev"} | null}   whose shared memory it sees
-    GET  /weights/digest    {"version": v, "digest": {name: sha256}}
-    GET  /weights/names     {"names": [...]}       the tensor names every version must carry
-    POST /generate          {"prompt": [ids], "max_new_tokens": k, "n": 1, "temperature": 0.0, "seed": null}
-                            -> {"completions": [[ids]], "weight_version": v}; the prompt and the new
-                            tokens fit the model's context, temperature is 0 (greedy) or at least
-                            MIN_TEMPERATURE, seed in [0, 2**63)
-    POST /score             {"tokens": [ids]} -> {"logprobs": [...], "weight_version": v}: the served model's
-                            log-probability of each token after the first (``verify: logprobs``)
-    POST /claim             ClaimRequest -> {"ok": true, "owner": session}   (423 if another trainer owns it)
-    POST /release           -> {"released": bool}   the calling trainer session is done with this server
-    POST /init_group        InitGroupRequest -> {"ok": true, "rank": r}
-    POST /begin             {"version": v}
-    POST /update            UpdateRequest; answered once every bucket is received and verified (with
-                            ``shm``: mapped from the trainer's shared memory instead of the data plane)
-    POST /end               {"version": v} -> {"version": v, "switch_s": s, "holds": [segments]}   swaps
-                            the staged version in; generation was held s seconds for the swap;
-                            ``holds``: the trainer's segments the live weights map
-
-LoRA adapters (``lora: adapter``: /check_adapter, /check_base, /update_adapter, /end_adapter,
-/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/models; ``/generate`` takes ``"adapter":
-"<name>-v<N>"``) are in ``asyncsync.receivers.reference.adapters``.
-
-One trainer session owns the server at a time (``asyncsync.protocol.ownership``): every call names
-its session in the ``X-Asyncsync-Session`` header, and weight-update calls (``WEIGHT_ROUTES``) from
-another session than the owner are answered 423 until the owner is gone (released, its rendezvous
-store dead, or silent for ``trainer_lease_s``).
-
-It also speaks SGLang 0.5.23's weight-update API (``asyncsync.receivers.reference.sglang_api``), so a config may
-address it as ``kind: sglang``; ``sglang_sessions=False`` makes it answer like SGLang 0.5.20 (no update sessions).
-
-Data-plane work runs on one dedicated thread and generation on another, so the server keeps
-generating with the old weights while a new version streams in. Every data-plane call ends by its
-own deadline however the trainer behaves (a rendezvous by the group's ``timeout_s``, a receive by its
-buckets' deadlines); a call queued behind a stalled one waits at most ``WEIGHT_QUEUE_S`` to start
-(then 503, and it never runs), so a stall never holds the owner's ``/end`` longer than that or the
-stalled call's own deadline; a new ``/init_group`` (or ``/init_weights_update_group``) or a
-``/release`` abandons a rendezvous still in progress at once, and ``/release`` never queues.
-
-A request that fails is answered with a 4xx and ``{"error": message}`` (SGLang's routes: SGLang's
-error bodies), the message cut to ``wire.MAX_ERROR_CHARS``; a data-plane failure (a group that could not
-form, a broadcast that missed its deadline) is a 503. No request's input makes the server answer 500
-or exit (``tests/faults/test_route_fuzz.py``).
+What a caller must know: one trainer session owns the server at a time (``X-Asyncsync-Session``;
+weight-update calls, ``WEIGHT_ROUTES``, from another session get 423), and no input makes it answer
+500 or exit: a failed request is a 4xx with ``{"error": message}``, a data-plane failure a 503.
+Every route with its body and answer: docs/engines/reference.md "Routes".
 """
 
 from __future__ import annotations
@@ -80,7 +42,8 @@ from asyncsync.protocol.wire import (
     UpdateRequest, VersionRequest, WireError, sane_text, short, shown,
 )
 from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
-from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.receivers.reference.receiver import WeightReceiver
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.control import new_event_loop
 
@@ -297,7 +260,7 @@ class ReferenceServer:
 
     async def check_layout(self, request: web.Request) -> web.Response:
         """409 naming the differences unless a trainer's plan sends exactly the tensors served."""
-        self.receiver.stager.check_layout(LayoutCheck.from_json(await _json(request)))
+        self.receiver.stager.admission.check_layout(LayoutCheck.from_json(await _json(request)))
         return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.Response:

@@ -15,7 +15,8 @@ from asyncsync.protocol.arena import STAGINGS, Arena, HostArena, Staging
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.specs import LAYOUTS, BucketPlan, TensorSpec, unpack
-from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import BucketStager, StagedVersion
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
 __all__ = ["VersionRejected", "WeightReceiver", "tensor_bytes"]
@@ -83,7 +84,7 @@ class WeightReceiver:
     @property
     def expected_names(self) -> list[str]:
         """The tensor names every version must carry (the model's, a tied weight once)."""
-        return list(self.stager.expected)
+        return list(self.stager.admission.expected)
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
         """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank); the
@@ -93,7 +94,7 @@ class WeightReceiver:
             self._make_arenas()
 
     def _make_arenas(self) -> None:
-        nbytes = self.stager.model_bytes
+        nbytes = self.stager.admission.model_bytes
         if self.staging == "host":
             arena = HostArena(nbytes)
             if self.runtime.kind != "host":

@@ -66,9 +66,10 @@ from asyncsync.protocol.sglang import (
     EndWeightUpdate, InitWeightsUpdateGroup, LoadLoraAdapter, PauseGeneration, RequestInvalid, SglangRequest,
     UnloadLoraAdapter, UpdateWeightsFromDistributed, group_missing, load_failure,
 )
-from asyncsync.protocol.staging import BucketRefused
+from asyncsync.protocol.admission import BucketRefused
 from asyncsync.protocol.wire import MAX_VERSION, WireError, short, shown
-from asyncsync.receivers.reference.receiver import VersionRejected, WeightReceiver
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.receivers.reference.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +155,9 @@ class ReceiverScheduler:
                 raise ValueError(f"load_format {req.load_format!r}: the reference server receives only "
                                  f"'{FLATTENED_BUCKET}' buckets")
             nbytes = req.flattened_nbytes()
-            if nbytes > self.receiver.stager.max_version_bytes:  # nothing is allocated for it
+            if nbytes > self.receiver.stager.admission.max_version_bytes:  # nothing is allocated for it
                 raise ValueError(f"a bucket of {nbytes} bytes is more than this server's staging budget of "
-                                 f"{self.receiver.stager.max_version_bytes}")
+                                 f"{self.receiver.stager.admission.max_version_bytes}")
         except Exception as e:
             return False, f"{RECEIVE_FAILED}{e}"
         try:

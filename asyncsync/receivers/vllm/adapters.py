@@ -27,7 +27,8 @@ from asyncsync.protocol.lora import (
     ADAPTER_REFUSED, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, adapter_targets,
 )
 from asyncsync.protocol.specs import TensorSpec
-from asyncsync.protocol.staging import StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.receivers.adapters import AdapterFiles
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ import torch
 
 from asyncsync.protocol.arena import Arena, HostArena
 from asyncsync.protocol.group import DataPlaneError
-from asyncsync.protocol.staging import StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import UpdateRequest
 
 

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import weights_already_processed
 
-from asyncsync.protocol.staging import VersionRejected
+from asyncsync.protocol.admission import VersionRejected
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,8 @@ from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
-from asyncsync.protocol.staging import BucketStager, StagedVersion, VersionRejected
+from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.staging import BucketStager, StagedVersion
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.experts import ExpertKernels
@@ -161,7 +162,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self._handlers[type(request)](request)
 
     def _check_layout(self, check: LayoutCheck) -> None:
-        self.stager.check_layout(check)
+        self.stager.admission.check_layout(check)
         self.ties.check_plan()
 
     def _check_base(self, check: BaseCheck) -> None:

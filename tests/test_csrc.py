@@ -256,6 +256,7 @@ def test_failed_build_falls_back_to_torch_with_one_warning(tmp_path: Path) -> No
     assert "no installed build; JIT build failed" in warnings[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernel_compiles_and_its_emulation_passes() -> None:
     result = subprocess.run([str(REPO / "scripts" / "check_cuda.sh")], capture_output=True, text=True, timeout=300)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
@@ -27,6 +28,7 @@ SLOW = Faults(call_delay_s=tuple((route, 0.8) for route in SGLANG_ROUTES))
 TOO_SLOW = Faults(call_delay_s=(("/update_weights_from_distributed", 1.5),))
 
 
+@pytest.mark.slow
 def test_phases_at_eight_tenths_of_their_deadlines_complete_and_one_past_it_is_evicted():
     with ThreadedServer(ReferenceServer(build_model(TINY), faults=SLOW)) as slow, \
             ThreadedServer(ReferenceServer(build_model(TINY), faults=TOO_SLOW)) as too_slow:

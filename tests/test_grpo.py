@@ -75,6 +75,7 @@ def test_yaml_toggle_alone_switches_modes(tmp_path, two_servers, toggle):
     assert set(sync.server_versions.values()) == {version}, "close() drained in async mode"
 
 
+@pytest.mark.slow
 def test_run_with_embedded_servers_tracks_versions():
     cfg = GRPOConfig.load(DEMO, FAST)
     summary = run_grpo(cfg)
@@ -111,6 +112,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "asyncsync.cli", "--log-level", "INFO", "grpo", "--config", str(DEMO), "--no-progress", *args]
 
 
+@pytest.mark.slow
 def test_cli_runs_and_stops_its_servers():
     out = subprocess.run(_cli(*FAST), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -118,6 +120,7 @@ def test_cli_runs_and_stops_its_servers():
     assert _gone(_pids(out.stderr))
 
 
+@pytest.mark.slow
 def test_cli_compares_in_both_regimes_and_says_what_the_figures_mean(tmp_path):
     """``--compare --regimes host,link``: one line per mode and one per regime; the link regime runs
     in a shaped namespace where this machine allows it (else says so and uses plain loopback), with
@@ -153,6 +156,7 @@ def test_cli_bad_override_exits_2_with_the_key():
     assert "weight_sync.max_staleness" in out.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_servers():
     proc = subprocess.Popen(_cli("steps=100000", *FAST[1:]), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
@@ -190,6 +194,7 @@ def test_learning_raises_the_reward():
     assert summary.reward_last > summary.reward_first + 0.2, [round(r.reward, 2) for r in summary.records]
 
 
+@pytest.mark.slow
 def test_the_demo_trains_on_two_fsdp_ranks():
     """trainer_ranks=2: the policy is fully_shard-ed over 2 spawned ranks, every rank publishes, and
     every version reaches the servers (published = sent + superseded) within max_staleness."""

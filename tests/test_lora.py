@@ -333,6 +333,7 @@ def slow_load_ranks(rank: int, world: int, urls: list[str]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_an_engine_slower_to_load_than_the_trainer_ranks_deadline_fails_no_rank():
     from asyncsync.trainer.local_ranks import run_local_ranks
 

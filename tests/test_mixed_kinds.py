@@ -74,6 +74,7 @@ def test_weight_sync_mixes_kinds_with_one_dtype_per_bucket(async_weight_update):
             assert server.get("/weights/digest") == {"version": 3, "digest": want}
 
 
+@pytest.mark.slow
 def test_a_server_that_refuses_does_not_hold_back_the_others():
     """The refusing server is reported, the others still end their update (vLLM and SGLang would
     otherwise stay paused mid-update), and the refusing one resumes generation."""

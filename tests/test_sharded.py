@@ -106,6 +106,7 @@ def test_each_owner_sends_deltas_of_its_buckets_and_servers_get_the_unsharded_mo
         assert all(0 < b < 0.75 * model for b in baselines) and sum(baselines) == model, baselines
 
 
+@pytest.mark.slow
 def test_an_owner_whose_encode_fails_abandons_the_version_on_every_rank_and_the_next_goes_whole(moe_servers):
     """A rank's delta encode fails after the pieces were exchanged (out of device memory): every
     rank's publish raises, naming it, no server applies any of that version, and the next version
@@ -119,6 +120,7 @@ def test_an_owner_whose_encode_fails_abandons_the_version_on_every_rank_and_the_
     assert ranks[0]["encode_fails"]["sent"] == [(first, None), (first + 2, None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
 def test_a_rank_that_dies_mid_sync_ends_in_a_clear_error_and_servers_keep_the_last_version(async_mode):
     from asyncsync.models import build_model

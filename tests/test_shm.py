@@ -195,6 +195,7 @@ def _hold_then_die(url: str, published) -> None:  # type: ignore[no-untyped-def]
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_leaves_no_segment_and_its_servers_are_free_at_once():
     ctx = mp.get_context("spawn")
     with ServerProcess(mixed_dtype_model, (TINY,)) as server:
@@ -236,6 +237,7 @@ def test_segments_of_dead_trainers_are_swept():
                 os.unlink(p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_server_that_dies_or_hangs_while_reading_blocks_no_one_and_its_segment_is_retired(how):
     """One server holds its ``/update`` answer for 10 s (it has mapped the segment) and is killed, or

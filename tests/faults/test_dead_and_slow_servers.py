@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
@@ -29,6 +30,7 @@ def config(servers: list[ServerProcess], **extra) -> WeightSyncConfig:
     })
 
 
+@pytest.mark.slow
 def test_kill_9_mid_sync_then_restart_rejoins():
     servers = [ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=0.02)) for _ in range(3)]
     restarted: ServerProcess | None = None
@@ -81,6 +83,7 @@ def test_kill_9_mid_sync_then_restart_rejoins():
             s.stop()
 
 
+@pytest.mark.slow
 def test_slow_server_never_applies_an_older_version_after_a_newer_one():
     servers = [ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=d)) for d in (0.0, 0.3)]
     try:
@@ -120,6 +123,7 @@ def test_slow_server_never_applies_an_older_version_after_a_newer_one():
             s.stop()
 
 
+@pytest.mark.slow
 def test_group_per_server_lets_a_slow_server_lag_without_slowing_the_other():
     fast, slow = (ServerProcess(mixed_dtype_model, (TINY,), faults=Faults(apply_delay_s=d)) for d in (0.0, 0.6))
     try:

@@ -127,6 +127,7 @@ def test_a_delta_against_other_bytes_of_the_same_version_is_caught_by_the_checks
         assert server.receiver.version == 4 and digest(model) == digest(trainer_model)
 
 
+@pytest.mark.slow
 def test_a_server_killed_and_restarted_between_two_deltas_gets_the_next_version_whole():
     model = mixed_dtype_model(TINY)
     first = ServerProcess(mixed_dtype_model, (TINY,)).start()
@@ -159,6 +160,7 @@ def test_a_server_killed_and_restarted_between_two_deltas_gets_the_next_version_
                 s.stop()
 
 
+@pytest.mark.slow
 def test_superseded_async_versions_leave_every_server_bit_exact_and_never_torn():
     """Servers slow to switch: versions pile up and are superseded; each delta is against the
     version the servers committed last, and every sampled (version, weights) pair is whole."""

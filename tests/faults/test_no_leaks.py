@@ -15,6 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.models import build_model
 from asyncsync.protocol.group import DataPlaneGroup
@@ -53,6 +55,7 @@ def settled(condition, timeout_s: float = 10.0) -> Held:  # type: ignore[no-unty
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_failed_epoch_and_close_release_every_socket_thread_and_group():
     servers = [ServerProcess(build_model, (TINY,)).start() for _ in range(2)]
     cfg = WeightSyncConfig.from_dict({

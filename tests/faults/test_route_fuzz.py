@@ -18,6 +18,7 @@ def test_the_fuzz_covers_exactly_the_routes_the_server_serves():
     assert fuzzed == served, {"not fuzzed": sorted(served - fuzzed), "not served": sorted(fuzzed - served)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bad_requests_get_4xx_and_leave_the_server_serving_unchanged_and_leaking_nothing(request):
     requests = request.config.getoption("--fuzz-requests")

@@ -110,8 +110,9 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
         blocks, version = [], 0
         with running(servers):
             for bucket_bytes in bucket_sizes:
+                # Whole versions, as the raw broadcast sends: deltas have their own benchmark (benchmarks/delta.py).
                 cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes,
-                                                  "transport": "collective"})
+                                                  "transport": "collective", "delta": "off"})
                 with WeightSync(cfg) as sync:
                     sync.connect(model)
                     times: dict[str, list[float]] = {"flat_s": [], "per_tensor_s": [], "sync_s": []}
@@ -125,6 +126,8 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                         version += 1
                         last = sync.publish(model, version)
                         t3 = time.perf_counter()
+                        assert last is not None and last.wire_bytes == last.nbytes == flat.numel(), (
+                            "the sync must broadcast the whole version, as the raw broadcast does", last)
                         if round_ >= WARMUP_ROUNDS:
                             for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                                 times[key].append(dt)
@@ -161,7 +164,8 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
                bucket_bytes: int, rounds: int, version: int) -> dict[str, Any]:
     """Rounds of (raw flat broadcast, blocking sync through shared memory) to the same servers; the
     raw receivers take part in the flat broadcasts as in every other block."""
-    cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes, "transport": "shm"})
+    cfg = WeightSyncConfig.from_dict({"servers": [s.url for s in servers], "bucket_bytes": bucket_bytes, "transport": "shm",
+                                      "delta": "off"})
     times: dict[str, list[float]] = {"flat_s": [], "sync_s": [], "pack_s": [], "transfer_s": []}
     with WeightSync(cfg) as sync:
         sync.connect(model)
@@ -172,6 +176,7 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
             last = sync.publish(model, version)
             sync_s = time.perf_counter() - t0
             assert last is not None and len(last.server_versions) == len(servers), last and last.failures
+            assert last.wire_bytes == 0, "shared memory: no byte of the version crosses a socket"
             if round_ >= WARMUP_ROUNDS:
                 times["flat_s"].append(flat_s)
                 times["sync_s"].append(sync_s)

@@ -49,6 +49,7 @@ def test_reference_and_sglang_kinds_sync_bit_exactly_through_two_groups(servers)
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_weight_update", [False, True], ids=["blocking", "async"])
 def test_weight_sync_mixes_kinds_with_one_dtype_per_bucket(async_weight_update):
     """WeightSync itself with a mixed-dtype model: SGLang's group makes the plan single-dtype, and

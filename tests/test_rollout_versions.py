@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
 from asyncsync import WeightSync
@@ -23,6 +24,7 @@ PROMPTS = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 8]]
 TOKENS = 48
 
 
+@pytest.mark.slow
 def test_each_rollout_is_one_whole_version_and_reports_it():
     model = build_model(TINY)
     rollouts: list[tuple[int, float, float, Generation]] = []  # prompt, sent, answered, generation

@@ -84,6 +84,7 @@ def test_every_rank_publishes_and_servers_get_the_unsharded_model_bit_exactly(mo
                 assert m["host_buffer_bytes"] == 0, (rank, label, m)
 
 
+@pytest.mark.slow
 def test_each_owner_sends_deltas_of_its_buckets_and_servers_get_the_unsharded_model_bit_exactly(moe_servers):
     """Sparse updates with ``delta: auto``: every rank encodes the buckets it owns against the last
     version it sent, so after the first version each goes out as deltas, a small fraction of its

@@ -40,7 +40,7 @@ def staging_segments(server: ServerProcess) -> dict[str, int]:
     return {k: v for k, v in process_memory(server.process.pid).segments.items() if "asyncsync-staging" in k}
 
 
-@pytest.mark.parametrize("staging", ["device", "host"])
+@pytest.mark.parametrize("staging", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_each_staging_serves_every_version_bit_exact_within_its_memory(staging):
     trainer = build_model(MEDIUM)
     nbytes = sum(t.nbytes for t in trainer.state_dict().values())

@@ -28,7 +28,7 @@ def config(urls: list[str], **extra: object) -> dict[str, object]:
             "verify_every": 1, "readmit_interval_s": 0.2, **extra}
 
 
-@pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("async_mode", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["blocking", "async"])
 def test_the_check_is_silent_while_every_server_computes_what_the_trainer_holds(async_mode):
     trainer = build_model(TINY)
     with running([ServerProcess(build_model, (TINY,)) for _ in range(2)]) as servers:

@@ -1,6 +1,6 @@
 """Thousands of generated bad requests, 200 in flight at a time, across every route of a live
 reference server, then a rogue trainer on its data plane (``benchmarks/fuzz.py`` has the campaign
-and its checks; ``python -m benchmarks.fuzz`` runs a longer one and writes the README's figures).
+and its checks; ``python -m benchmarks.fuzz`` runs a longer one and writes the figures in docs/faults.md).
 ``--fuzz-requests N`` runs N requests here instead of the default."""
 
 from __future__ import annotations

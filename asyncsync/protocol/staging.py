@@ -24,12 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncsync.protocol.admission import (
-    Admission,
-    BucketRefused,
-    VersionRejected,
-    reject_if,
-)
+from asyncsync.protocol.admission import Admission, BucketRefused, VersionRejected, reject_if
 from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.device import HostRuntime, Runtime

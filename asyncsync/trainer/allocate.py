@@ -24,12 +24,7 @@ from asyncsync.ranks import TrainerRanks
 from asyncsync.trainer.buffers import Baseline, Ring, SharedSnapshot, Snapshot
 from asyncsync.trainer.layout import WeightLayout
 from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, sources
-from asyncsync.trainer.source import (
-    TiedNames,
-    WeightsReader,
-    all_tensors,
-    weights_device,
-)
+from asyncsync.trainer.source import TiedNames, WeightsReader, all_tensors, weights_device
 from asyncsync.transport.membership import Membership
 from asyncsync.transport.shm import SegmentPool
 

@@ -26,12 +26,7 @@ from asyncsync.protocol.device import Runtime, runtime_for
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.adapter import Adapter
-from asyncsync.trainer.adapter_connect import (
-    BaseSend,
-    adapter_of,
-    check_adapter,
-    start_loads,
-)
+from asyncsync.trainer.adapter_connect import BaseSend, adapter_of, check_adapter, start_loads
 from asyncsync.trainer.allocate import BufferKinds, shared_pool
 from asyncsync.trainer.buffers import Baseline
 from asyncsync.trainer.connection import Connection
@@ -41,14 +36,7 @@ from asyncsync.trainer.publishers import Background, Blocking
 from asyncsync.trainer.roles import Follower, Leader, Role, tell_ranks
 from asyncsync.trainer.shards import balanced_owners
 from asyncsync.trainer.source import (
-    Convert,
-    TiedNames,
-    Weights,
-    WeightsReader,
-    all_tensors,
-    check_tensors,
-    converted,
-    weights_device,
+    Convert, TiedNames, Weights, WeightsReader, all_tensors, check_tensors, converted, weights_device,
 )
 from asyncsync.trainer.streams import StreamSet
 from asyncsync.trainer.verify import ServedCheck

@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

@@ -110,7 +110,7 @@ class Cluster:
     def env(self, host: str) -> dict[str, str]:
         """The environment a command on ``host`` needs besides its namespace: gloo and NCCL bind to the
         host's own interface (its hostname resolves to no address inside the cluster)."""
-        return {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "ASYNCSYNC_HOST_ADDRESS": self.address(host)}
+        return {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
 
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside ``host``'s namespace."""

@@ -3,7 +3,7 @@ version) where a server does not serve it, and the loads of each adapter version
 
     adapter, base = adapter_of(config, model, held, convert)   # (None, None) without lora: adapter
     check_adapter(config, members, adapter, plan)              # rank 0; ConfigError if a server cannot
-    send_base(...)                                             # every rank
+    BaseSend(config, ranks, runtime, packer).run(model, base, ties, members, follower)   # every rank
     loads = start_loads(config, members, adapter, ...)         # rank 0: AdapterLoads
 """
 
@@ -24,7 +24,7 @@ from asyncsync.protocol.lora import AdapterCheck, BaseCheck, tensor_crc
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.ranks import TrainerRanks
 from asyncsync.trainer.adapter import Adapter
-from asyncsync.trainer.allocate import BufferKinds
+from asyncsync.trainer.allocate import BufferKinds, shared_pool
 from asyncsync.trainer.buffers import SharedSnapshot
 from asyncsync.trainer.layout import WeightLayout
 from asyncsync.trainer.shards import balanced_owners
@@ -86,8 +86,7 @@ class BaseSend:
         if ranks.leader:
             plan = BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes,
                                           any(m.single_dtype_buckets for m in members), ranks.world > 1)
-            sources = members[0].sources
-            owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
+            owners = balanced_owners(plan, members[0].sources)
             todo = self._without_base(named, members)
             version = 1 + max((v for m in todo for v in m.member_versions().values()), default=0)
             setup = (version, plan, owners) if todo else None
@@ -130,11 +129,10 @@ class BaseSend:
     def _source(self, members: Membership, plan: BucketPlan, named: Any, kinds: BufferKinds) -> BucketSource:
         """A ring packed from the live weights, or, with a server on shared memory, a segment it then
         serves from (kept until ``close``)."""
-        if not members.shared:
+        pool = shared_pool([members], plan)
+        if pool is None:
             return kinds.ring().packing(named)
-        pool = SegmentPool([b.nbytes for b in plan.buckets])
         self.pools.append(pool)
-        members.pool = pool
         buffers = SharedSnapshot(plan, self.runtime.device, self.packer, self.config.checksum, pool)
         buffers.pack_all(named)
         return buffers.packed()

@@ -172,8 +172,7 @@ class Connecting:
             plan = BucketPlan.from_groups(layout.target_groups(), cfg.bucket_bytes, single_dtype, whole)
         else:
             plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
-        sources = self.members[0].sources
-        owners = balanced_owners(plan, sources) if sources > 1 else [0] * len(plan.buckets)
+        owners = balanced_owners(plan, self.members[0].sources)
         if adapter is None:
             check_layouts(cfg, self.members, plan, layout)  # a plan a server would refuse at every version fails here
         else:

@@ -12,7 +12,7 @@ differ beyond the tolerance is reported, or evicted::
     check = ServedCheck.of(config, model, metrics, report)   # at connect: the probe and tolerance
     check.expect(model, version)     # in publish, every rank (a forward): when the check is due
     ...the version is sent...
-    check.run(members, version)      # rank 0, after the apply (blocking) or the commit (the sender)
+    check.run(members, version, served)   # rank 0, after the apply (blocking) or the commit (the sender)
 
 A check is due at connect (the version the servers serve then must be the trainer's weights: start
 them from its checkpoint) and then at the first version published ``verify_every`` versions after the

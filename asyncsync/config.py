@@ -13,7 +13,7 @@ import yaml
 
 from asyncsync.packing import backend_names
 from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES, LAYOUTS
-from asyncsync.protocol.wire import MAX_DEADLINE_S, RECEIVE_MODES
+from asyncsync.protocol.wire import MAX_DEADLINE_S, MAX_RELAY_EDGES, RECEIVE_MODES
 from asyncsync.registry import ENGINES
 
 DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
@@ -153,6 +153,7 @@ class WeightSyncConfig:
     servers: tuple[ServerConfig, ...] = ()
     deadlines: Deadlines = field(default_factory=Deadlines)
     group_per_server: bool = False
+    fanout: str | int = "direct"
     readmit_interval_s: float = 5.0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
@@ -231,6 +232,14 @@ class WeightSyncConfig:
                               f"connect/publish/close) or 1 (only this process), got {self.trainer_ranks!r}")
         if not isinstance(self.funnel, bool):
             raise ConfigError(f"funnel: expected true or false, got {self.funnel!r}")
+        if self.fanout not in ("direct", "auto") and (not isinstance(self.fanout, int) or isinstance(self.fanout, bool)
+                                                       or not 1 <= self.fanout <= MAX_RELAY_EDGES):
+            raise ConfigError(f"fanout: expected direct (the trainer sends to every server), auto (servers relay along a "
+                              f"chain or tree planned from the bucket count) or the servers each one relays to (1-"
+                              f"{MAX_RELAY_EDGES}; 1: a chain), got {self.fanout!r}")
+        if self.fanout != "direct" and self.group_per_server:
+            raise ConfigError("fanout: a relay sends one version down one tree; group_per_server sends each server its "
+                              "own: use one of them")
         if self.snapshot not in ("device", "host"):
             raise ConfigError(f"snapshot: expected device or host, got {self.snapshot!r}")
 

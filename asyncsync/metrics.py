@@ -25,6 +25,7 @@ class SyncResult:
     total_s: float = 0.0
     server_versions: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # servers that did not apply it, and why
+    repaired: list[str] = field(default_factory=list)  # servers a relay failed that got it sent again (fanout)
     switch_s: dict[str, float] = field(default_factory=dict)  # how long each server held generation to switch
     wire_bytes: int = 0      # bytes broadcast into the data-plane groups (deltas where they went out)
     delta_base: int | None = None  # the version the buckets sent as deltas were encoded against

@@ -62,11 +62,13 @@ class DataPlaneProtocol:
     shared_memory: bool = False  # a same-host server can map a version instead (``UpdateRequest.shm``)
     framed: bool = False        # every payload follows its frame header (``protocol.frames``)
     deltas: bool = False  # a bucket may come as a delta against the committed version (``UpdateRequest.delta``)
+    relay: bool = False   # a server of one data-plane rank forwards every payload it receives (``fanout``)
 
 
 # asyncsync's own receivers: the reference server and asyncsync's vLLM weight-transfer engine.
 ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manifest=True, single_dtype_buckets=False,
-                                       multi_group=True, shared_memory=True, framed=True, deltas=True)
+                                       multi_group=True, shared_memory=True, framed=True, deltas=True,
+                                       relay=True)
 
 
 class EngineClient(ABC):
@@ -163,8 +165,9 @@ class EngineClient(ABC):
         return None
 
     @abstractmethod
-    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
-        """Join ``specs`` (one group, or one per owning trainer rank when ``protocol.multi_group``)."""
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
+        """Join ``specs`` (one group, or one per owning trainer rank when ``protocol.multi_group``), then
+        ``relay``: the edges to the servers this one forwards versions to (only where ``protocol.relay``)."""
 
     async def expected_names(self) -> frozenset[str] | None:
         """The tensor names the server checks every version against, or None when it cannot tell (the

@@ -52,8 +52,8 @@ class ReferenceEngine(EngineClient):
                 raise
             return None  # an older server: the data plane
 
-    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
-        await self.http.post("/init_group", InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json())
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
+        await self.http.post("/init_group", InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay).to_json())
 
     async def expected_names(self) -> frozenset[str]:
         return frozenset((await self.http.get("/weights/names"))["names"])

@@ -83,8 +83,9 @@ class SglangEngine(EngineClient):
     async def world_size(self) -> int:
         return data_plane_ranks(self.url, await self.http.get("/server_info"))
 
-    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
         (spec,) = specs  # SGLang joins one group (its protocol is not multi_group): trainer rank 0's
+        assert not relay, "SGLang runs no asyncsync code: it relays nothing (its protocol says relay=False)"
         if self._group_name is not None:
             await self._destroy_group()  # the previous epoch's group would otherwise live on in the server
         await self._post_checked("/init_weights_update_group", InitWeightsUpdateGroup.of(spec, rank_offset).to_json())

@@ -105,9 +105,9 @@ class VllmEngine(EngineClient):
         per_engine = int((await self.http.get("/get_world_size", params={"include_dp": "false"}))["world_size"])
         return workers // per_engine
 
-    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int) -> None:
+    async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
         await self.http.post("/init_weight_transfer_engine",
-                             {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:]).to_json()})
+                             {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay).to_json()})
 
     async def begin(self, version: int) -> None:
         self.last_switch_s, self._held_s = None, 0.0

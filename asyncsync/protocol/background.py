@@ -121,11 +121,12 @@ class BackgroundReceive:
         """A version was started and has been neither taken nor cancelled."""
         return self._pending is not None
 
-    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int) -> None:
-        """Join the trainer's groups (``BucketStager.join``; from a worker, returns once joined). A
-        version in flight in the previous groups can never complete: it is dropped first."""
+    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, relay: Sequence[GroupSpec] = ()) -> None:
+        """Join the trainer's groups and the relay edges below (``BucketStager.join``; from a worker,
+        returns once joined). A version in flight in the previous groups can never complete: it is
+        dropped first."""
         self.cancel()
-        self._spawn(self.stager.join, specs, rank).result()
+        self._spawn(self.stager.join, specs, rank, True, relay).result()
 
     def start(self, request: UpdateRequest, served_version: int,
               carrying: Mapping[str, TensorSpec] | None = None) -> None:

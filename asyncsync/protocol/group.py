@@ -118,16 +118,19 @@ class DataPlaneGroup:
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, runtime: Runtime, warmup: bool = True,
-             abandoner: Abandoner | None = None) -> DataPlaneGroup:
+             abandoner: Abandoner | None = None, hosts_store: bool | None = None) -> DataPlaneGroup:
         """Join as ``rank``; blocks until every rank joined, and raises ``DataPlaneError`` by
         ``spec.timeout_s`` (+ ``RENDEZVOUS_GRACE_S``) whatever the peer does, or as soon as
         ``abandoner`` abandons the join. Every member must agree on ``warmup``. ``runtime`` is the
-        member's device: its data-plane backend must be the group's."""
+        member's device: its data-plane backend must be the group's. ``hosts_store``: whether this
+        member runs the rendezvous store (default: rank 0 does; a relaying server is rank 0 of a group
+        whose store the trainer runs)."""
         if spec.backend != runtime.wire_backend:
             raise DataPlaneError(f"rank {rank}: the group '{spec.group_name}' uses {spec.backend}, but this member's "
                                  f"tensors are on {runtime.device}, which takes {runtime.wire_backend}: put both sides' "
                                  "weights on the same kind of device or set the trainer's backend to match")
-        store, pg = _rendezvous(spec, rank, runtime, abandoner.watch() if abandoner else lambda: False)
+        master = rank == 0 if hosts_store is None else hosts_store
+        store, pg = _rendezvous(spec, rank, runtime, abandoner.watch() if abandoner else lambda: False, master)
         group = cls(spec, rank, store, pg, runtime)
         if warmup:
             group.broadcast(torch.zeros(1, dtype=torch.uint8, device=runtime.device))
@@ -179,11 +182,11 @@ class DataPlaneGroup:
             log.debug("closing group %s: %s", self.spec.group_name, e)
 
 
-def _form(spec: GroupSpec, rank: int, runtime: Runtime) -> tuple[TCPStore, Any]:
+def _form(spec: GroupSpec, rank: int, runtime: Runtime, master: bool) -> tuple[TCPStore, Any]:
     """The rendezvous store and the process group (blocking; ``_rendezvous`` bounds it)."""
     timeout = timedelta(seconds=spec.timeout_s)
     try:
-        store = TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        store = TCPStore(spec.host, spec.port, spec.world_size, master, timeout=timeout, wait_for_workers=False)
     except Exception as e:  # torch raises several types (RuntimeError, DistNetworkError)
         raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} failed: {e}") from e
     # SGLang's key layout: {name}/{name}//{device}//<key>
@@ -200,7 +203,8 @@ def _form(spec: GroupSpec, rank: int, runtime: Runtime) -> tuple[TCPStore, Any]:
     return store, pg
 
 
-def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callable[[], bool]) -> tuple[TCPStore, Any]:
+def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callable[[], bool],
+                master: bool) -> tuple[TCPStore, Any]:
     """``_form`` on a thread of its own, waited for until ``spec.timeout_s`` + ``RENDEZVOUS_GRACE_S``
     or until ``abandoned()``. A rendezvous given up has its connection to the store shut down, so the
     thread, blocked in torch on a silent peer, ends too. The thread inherits the caller's CPU
@@ -213,9 +217,9 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
     def run() -> None:
         try:
             runtime.enter_thread()
-            if rank != 0 and not _store_answers(spec, store_ready, stop) or stop.is_set():
+            if not master and not _store_answers(spec, store_ready, stop) or stop.is_set():
                 return  # given up: the joining thread has said why
-            outcome.append(_form(spec, rank, runtime))
+            outcome.append(_form(spec, rank, runtime, master))
         except BaseException as e:  # handed to the joining thread
             outcome.append(e)
         finally:

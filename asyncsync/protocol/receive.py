@@ -5,8 +5,9 @@ lands; this module receives it, in the order the trainer sends (``transport/data
 payload (a bucket, or its delta, then the checksum manifest) first its frame header, checked against
 the announcement before the payload's receive is posted (a member that would send more than was
 announced is refused, not aborted on), then the payload itself, while the payload before it is
-checksummed, rebuilt from its delta or copied out of the device ring. What is left after the last
-byte is one bucket's work. Each wait returns only once its data has arrived (the group's waits block
+checksummed, rebuilt from its delta or copied out of the device ring, and forwarded to the
+servers below this one where it relays (``protocol.relay``). What is left after the last byte is one
+bucket's work (and the forwards still on their way down). Each wait returns only once its data has arrived (the group's waits block
 the host), so nothing is judged before the bytes are really in the buffers.
 """
 
@@ -22,6 +23,7 @@ from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
 from asyncsync.protocol.group import DataPlaneGroup, Work
+from asyncsync.protocol.relay import Forward
 from asyncsync.protocol.specs import Bucket
 from asyncsync.protocol.wire import UpdateRequest
 
@@ -38,7 +40,8 @@ class FramedReceive:
 
     ``base``: the committed version's buffers a delta bucket is rebuilt from (None: none usable; a
     delta then only adds a problem). ``ring``: device buffers a bucket lands in before it is copied
-    to a host arena (NCCL into host staging).
+    to a host arena (NCCL into host staging). ``relay``: the edges to the servers below this one, each
+    payload forwarded into them once it landed (``protocol.relay``; what failed is in ``self.forward``).
 
     Contract: ``run`` returns once every payload is in place, or raises ``Unframed`` or
     ``DataPlaneError``: the caller must then leave the groups (their collectives are out of step).
@@ -46,7 +49,7 @@ class FramedReceive:
 
     def __init__(self, req: UpdateRequest, groups: Sequence[DataPlaneGroup], runtime: Runtime,
                  ring: DeviceRing | None, buffers: Sequence[torch.Tensor], buckets: tuple[Bucket, ...],
-                 base: Sequence[torch.Tensor] | None, problems: list[str]):
+                 base: Sequence[torch.Tensor] | None, problems: list[str], relay: Sequence[DataPlaneGroup] = ()):
         self.req, self.groups, self.runtime, self.ring = req, groups, runtime, ring
         self.buffers, self.buckets, self.base, self.problems = buffers, buckets, base, problems
         device = groups[0].device
@@ -60,6 +63,8 @@ class FramedReceive:
         if req.checksum:
             self.payloads.append(torch.zeros(len(buffers), dtype=torch.int64, device=device))
         self.crcs: list[Crc] = []
+        # A ring's slot is received into again two payloads later: its forward is waited at once.
+        self.forward = Forward(relay, VersionFrames.of(req), runtime, in_flight=0 if ring is not None else 1)
 
     def run(self) -> None:
         req, payloads = self.req, self.payloads
@@ -78,13 +83,16 @@ class FramedReceive:
                 header = self._post_header(i + 1)
             if landing is not None:
                 landing[0].wait(landing[1])
+                self.forward.send(i - 1, payloads[i - 1], req.deadline_s(i - 1))
                 self._landed(len(self.crcs))
             landing = (on, work)
         assert landing is not None
         landing[0].wait(landing[1])
+        self.forward.send(len(payloads) - 1, payloads[-1], req.deadline_s(len(payloads) - 1))
         if self.ring is not None:  # the last bucket too: the manifest is not one
             self._landed(len(self.crcs))
             self.runtime.host_wait(self.runtime.record())  # the arena holds every byte before it is read
+        self.forward.finish()
         if req.checksum:
             manifest = payloads[len(self.buffers)].tolist()
             bad = [i for i, (got, want) in enumerate(zip(self.crcs, manifest)) if got is not None and int(got) != want]

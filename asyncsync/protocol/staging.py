@@ -115,6 +115,7 @@ class BucketStager:
         self._live_arena: Arena | None = None  # the arena the live weights alias (two-arena staging)
         self.stage_in(arenas)
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
+        self.relays: list[DataPlaneGroup] = []  # the edges to the servers below this one (fanout), while up
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
         self._live_segment: str | None = None  # the shared-memory segment the live weights map, if any
@@ -137,12 +138,14 @@ class BucketStager:
         arenas = sum(a.nbytes for a in self.arenas if not isinstance(a, HostArena) and self.runtime.kind != "host")
         return arenas + (self._ring.nbytes if self._ring is not None else 0)
 
-    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
+    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True,
+             relay: Sequence[GroupSpec] = ()) -> None:
         """Join the trainer's group (a sharded trainer's: one per owning trainer rank, in order) as
-        ``rank``; ``WireError`` (before any rendezvous) when a group's backend is not the one this
-        receiver's weights take."""
+        ``rank``, then, as their rank 0, the ``relay`` edges to the servers below this one, which every
+        version received is forwarded into (``protocol.relay``); ``WireError`` (before any rendezvous)
+        when a group's backend is not the one this receiver's weights take."""
         specs = (specs,) if isinstance(specs, GroupSpec) else tuple(specs)
-        for spec in specs:
+        for spec in (*specs, *relay):
             if spec.backend != self.runtime.wire_backend:
                 raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
                                 f"{self.runtime.device}, which take {self.runtime.wire_backend}: use backend: auto on "
@@ -151,6 +154,8 @@ class BucketStager:
         try:
             for spec in specs:
                 self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup, self.abandoner))
+            for spec in relay:  # the trainer runs these groups' stores
+                self.relays.append(DataPlaneGroup.join(spec, 0, self.runtime, warmup, self.abandoner, hosts_store=False))
         except BaseException:
             self.close()
             raise
@@ -192,13 +197,14 @@ class BucketStager:
         problems += unusable
         target = self._set_for(req.buckets)
         receive = FramedReceive(req, self.groups, self.runtime, self._ring, target.buffers, buckets,
-                                None if unusable or base is None else base.buffers, problems)
+                                None if unusable or base is None else base.buffers, problems, self.relays)
         try:
             receive.run()
         except (Unframed, DataPlaneError) as e:
             failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
         else:
             failed = None
+        self.relays = receive.forward.edges  # an edge that failed is closed: the trainer re-forms the epoch
         if failed is not None:
             # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
             # fails at once; after a failed one the group's collectives are out of step. Raised as text,
@@ -364,9 +370,10 @@ class BucketStager:
         self._live_segment, self._live, self._live_arena = None, None, None
 
     def close(self, broken: bool = False) -> None:
-        """Leave the groups (aborting them when ``broken``: a receive of them may still be pending)."""
-        groups, self.groups = self.groups, []
-        for group in groups:
+        """Leave the groups and the relay edges (aborting them when ``broken``: a receive of them may
+        still be pending; the servers below then fail theirs at once)."""
+        groups, self.groups, relays, self.relays = self.groups, [], self.relays, []
+        for group in [*groups, *relays]:
             group.close(broken)
 
 

@@ -32,6 +32,7 @@ MAX_BYTES = 2**62            # a tensor, a bucket or a version (sizes travel as 
 MAX_VERSION = 2**63 - 1      # versions travel as int64 in frame headers
 MAX_WORLD_SIZE = 2**16
 MAX_GROUPS = 1024            # groups of one sharded trainer (one per owning rank)
+MAX_RELAY_EDGES = 64         # servers one relaying server forwards to
 MAX_BUCKETS = 2**16
 MAX_DIMS = 32
 MAX_CHECKED_TENSORS = 1_000_000  # a LayoutCheck's tensors (the largest MoE checkpoints hold ~100,000)
@@ -466,12 +467,18 @@ class InitGroupRequest:
 
     ``protocol`` is the data plane's framing the trainer speaks (``PROTOCOL_VERSION``); a request
     without it comes from an asyncsync that sends bare payloads. Any other than this receiver's is
-    refused here, before the rendezvous, so no payload of a foreign framing ever reaches the group."""
+    refused here, before the rendezvous, so no payload of a foreign framing ever reaches the group.
+
+    ``relay`` (``fanout`` other than ``direct``): one two-rank group per server this one forwards to,
+    in which it is rank 0 and the server below it rank 1. Their rendezvous stores are the trainer's
+    (a trainer cannot pick a free port on another host), so this server joins them as a client. A
+    relaying server forwards every payload it receives, frame header first, as it lands."""
 
     group: GroupSpec
     rank_offset: int
     more_groups: tuple[GroupSpec, ...] = ()
     protocol: int = PROTOCOL_VERSION
+    relay: tuple[GroupSpec, ...] = ()
 
     @property
     def groups(self) -> tuple[GroupSpec, ...]:
@@ -481,6 +488,8 @@ class InitGroupRequest:
         out: dict[str, Any] = {"group": self.group.to_json(), "rank_offset": self.rank_offset, "protocol": self.protocol}
         if self.more_groups:
             out["more_groups"] = [g.to_json() for g in self.more_groups]
+        if self.relay:
+            out["relay"] = [g.to_json() for g in self.relay]
         return out
 
     @classmethod
@@ -489,8 +498,10 @@ class InitGroupRequest:
         group = _group_spec(_field(data, "group", dict, w), f"{w}.group")
         more = _list(data, "more_groups", w, MAX_GROUPS - 1) if "more_groups" in data else []
         protocol = _field(data, "protocol", int, w) if "protocol" in data else 1
+        relay = _list(data, "relay", w, MAX_RELAY_EDGES + 1) if "relay" in data else []
         return cls(group, _field(data, "rank_offset", int, w),
-                   tuple(_group_spec(g, f"{w}.more_groups[{i}]") for i, g in enumerate(more)), protocol)
+                   tuple(_group_spec(g, f"{w}.more_groups[{i}]") for i, g in enumerate(more)), protocol,
+                   tuple(_group_spec(g, f"{w}.relay[{i}]") for i, g in enumerate(relay)))
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL_VERSION:
@@ -504,6 +515,15 @@ class InitGroupRequest:
             if not _is_int(self.rank_offset) or not 1 <= self.rank_offset < g.world_size:
                 raise WireError(f"init_group.rank_offset: must be in [1, world_size={g.world_size}), got "
                                 f"{shown(self.rank_offset)}")
+        if len(self.relay) > MAX_RELAY_EDGES:
+            raise WireError(f"init_group.relay: at most {MAX_RELAY_EDGES} servers below one, got {len(self.relay)}")
+        if self.relay and self.more_groups:
+            raise WireError("init_group.relay: a server relays only the versions of a trainer that sends from one rank "
+                            "(more_groups names other sending ranks)")
+        for i, g in enumerate(self.relay):
+            if g.world_size != 2 or g.backend != self.group.backend:
+                raise WireError(f"init_group.relay[{i}]: a relay edge is a {self.group.backend} group of two ranks, got "
+                                f"{g.backend} with {shown(g.world_size)}")
 
 
 def _group_spec(data: Any, where: str) -> GroupSpec:

@@ -96,7 +96,8 @@ class Connecting:
             check_tensors(every, sharded)
         self.runtime = runtime_for(weights_device(every))
         self.packer = get_backend(cfg.pack_backend, self.runtime.device)  # before any group: a bad backend fails first
-        ties = self._servers(every if convert is not None else model, None if convert else base or layout)
+        buckets = -(-sum(t.nbytes for t in every.values()) // cfg.bucket_bytes)  # what fanout: auto plans by
+        ties = self._servers(every if convert is not None else model, None if convert else base or layout, buckets)
         if convert is None:
             layout = layout.keeping(ties.drop(held))  # a tied weight's second name is not sent
             base = base.keeping(ties.drop(held)) if base is not None else None
@@ -132,10 +133,10 @@ class Connecting:
                               "them yourself and pass convert=, or sync from one process")
         return layout
 
-    def _servers(self, weights: Weights, layout: WeightLayout | None) -> TiedNames:
+    def _servers(self, weights: Weights, layout: WeightLayout | None, buckets: int) -> TiedNames:
         """Rank 0: the data-plane groups with every server, then the names sent (``weights``: the
         module, whose ``layout`` gives the names servers know it by, or the conversion's output),
-        which every rank is told."""
+        which every rank is told. ``buckets``: about how many a version will have."""
         cfg, ranks = self.config, self.ranks
         assert self.runtime is not None
         if not ranks.leader:
@@ -146,7 +147,8 @@ class Connecting:
         self.opened.callback(self.control.close)
         spread = ranks.world > 1 and not cfg.funnel
         for group in [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]:
-            members = Membership.connect(group, self.control, self.metrics, self.runtime, self.session, ranks, spread)
+            members = Membership.connect(group, self.control, self.metrics, self.runtime, self.session, ranks, spread,
+                                         buckets)
             self.opened.callback(members.close)
             self.members.append(members)
         told = [names for m in self.members for names in m.expected_names()]

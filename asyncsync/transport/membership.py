@@ -15,6 +15,10 @@ Servers that are out are probed at most every ``readmit_interval_s``; one that a
 gets the next version whole (``Membership.baselines``: only a server that committed the last
 version of this sync may get a delta).
 
+With a relay (``fanout``), a server lost mid-version leaves the servers below it without that
+version: ``transport.send`` re-sends it to them over an epoch of their own at once, while the servers
+that took it sit that epoch out (``parked``); the next version's epoch takes everyone in again.
+
 Every epoch first claims each server for the trainer session (``EngineClient.claim``), so two trainers
 never race for the same servers: at ``connect`` a server another live trainer owns fails the whole
 connect with ``TrainerConflict``; later (another trainer took it over) it is evicted with the owner's
@@ -46,6 +50,7 @@ from asyncsync.ranks import TrainerRanks
 from asyncsync.control import ControlLoop, ServerError
 from asyncsync.transport.commands import Epoch, Formed
 from asyncsync.transport.pace import BroadcastPace
+from asyncsync.transport.relay import RelayTree
 from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
@@ -88,7 +93,7 @@ class Membership:
     """The servers of one sender (all of them, or one with ``group_per_server``) and its groups."""
 
     def __init__(self, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
-                 session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False):
+                 session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False, buckets: int = 1):
         self.config, self.control, self.metrics, self.runtime = config, control, metrics, runtime
         # A sharded trainer's other ranks form every epoch with rank 0 (transport.follower); with
         # ``spread`` each of them owns buckets and gets groups of its own with the servers.
@@ -108,6 +113,7 @@ class Membership:
         # refuse every version of this plan, so no later version can reach them either.
         self.refusing: dict[str, str] = {}
         self.group: TrainerGroups | None = None
+        self.trees: tuple[RelayTree, ...] = ()  # the current epoch's relay trees (``fanout``)
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
         self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
@@ -116,17 +122,22 @@ class Membership:
         self.adapter: str | None = None
         self._next_probe = 0.0
         self._expelled: dict[str, str] = {}  # members to evict when the next version starts (``expel``)
+        # Members that took a version a relay failed to bring to others: out of the repair's epoch,
+        # back in the groups when the next version starts (``settle``).
+        self.parked: list[EngineClient] = []
+        self.buckets = buckets  # about how many buckets a version has: ``fanout: auto`` plans the tree by it
         multi = all(e.protocol.multi_group for e in self.engines)
         self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
 
     @classmethod
     def connect(cls, config: WeightSyncConfig, control: ControlLoop, metrics: SyncMetrics, runtime: Runtime,
-                session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False) -> Membership:
+                session: str | None = None, ranks: TrainerRanks | None = None, spread: bool = False,
+                buckets: int = 1) -> Membership:
         """Form the first groups, claiming every server (``config.takeover``: even from a live owner);
         servers that do not answer start evicted. Raises ``SyncError`` when no server at all could
         join, ``TrainerConflict`` when another live trainer owns a server, ``UnsupportedServer`` when
         one runs a setup its client can never sync (all leave nothing open)."""
-        members = cls(config, control, metrics, runtime, session, ranks, spread)
+        members = cls(config, control, metrics, runtime, session, ranks, spread, buckets)
         try:
             members.form(members.engines, refuse_unsupported=True, takeover=config.takeover)
             if members.conflicts:
@@ -171,6 +182,10 @@ class Membership:
         member must rebuild deltas and receive over the data plane (none on shared memory)."""
         return not self.shared and bool(self.members) and all(e.protocol.deltas for e in self.members)
 
+    def relayed(self) -> set[str]:
+        """The members that get versions from another server (``fanout``), not from the trainer."""
+        return {u for tree in self.trees for u in tree.order if u != tree.root}
+
     def reachable(self) -> bool:
         """Whether a later version can still reach a server: some member does not refuse this plan."""
         return any(e.url not in self.refusing for e in self.members)
@@ -209,7 +224,7 @@ class Membership:
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources)
+            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources, self.buckets)
             self.ranks.from_leader(Epoch([layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
             joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
             try:
@@ -224,8 +239,10 @@ class Membership:
             self.ranks.from_leader(Formed(formed and len(still) == len(wired)))
             if formed and len(still) == len(wired):
                 self.group, self.members = group, alive
-                log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory", self.epoch,
-                         [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired))
+                log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", self.epoch,
+                         [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
+                         "".join(f"; relay {t.describe()}" for t in layout.trees))
+                self.trees = layout.trees
                 break
             if group is not None:
                 group.close(broken=True)
@@ -309,6 +326,7 @@ class Membership:
 
     def drop_group(self, broken: bool = False) -> None:
         """Abandon the current epoch's groups; ``broken`` after a failed collective (they are aborted)."""
+        self.trees = ()
         if self.group is not None:
             self.group.close(broken)
             self.group = None
@@ -329,14 +347,22 @@ class Membership:
 
     def settle(self) -> None:
         """At the start of a version: evict the members ``expel`` named (readmitted, as any evicted
-        server, once ``readmit_interval_s`` passed and it answers)."""
-        if not self._expelled:
+        server, once ``readmit_interval_s`` passed and it answers), and take the ``parked`` ones back."""
+        if not self._expelled and not self.parked:
             return
         out, self._expelled = self._expelled, {}
         for url, reason in out.items():
             self.evict(url, reason)
-        self._next_probe = time.monotonic() + self.config.readmit_interval_s
-        self.form([e for e in self.members if e.url not in out])
+        if out:
+            self._next_probe = time.monotonic() + self.config.readmit_interval_s
+        back, self.parked = self.parked, []
+        self.form([e for e in self.engines if (e in self.members or e in back) and e.url not in out])
+
+    def park(self, repair: list[EngineClient]) -> None:
+        """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
+        other members sit it out (``parked``) until the next version starts."""
+        self.parked = [e for e in self.members if e not in repair]
+        self.form(repair)
 
     def _drop_unreachable(self, engines: list[EngineClient], answers: dict[str, Any]) -> list[EngineClient]:
         """Evict the engines whose answer is a failure; return the others."""
@@ -366,7 +392,7 @@ class Membership:
     def close(self) -> None:
         """Release the servers in the groups, close every server's connections and the groups;
         bounded, never raises."""
-        members = {e.url for e in self.members}
+        members = {e.url for e in [*self.members, *self.parked]}
 
         async def release_and_close(e: EngineClient) -> None:
             if e.url in members:

@@ -11,6 +11,8 @@
     data path  every bucket broadcast, then the checksum manifest (``transport.datapath``)
     confirm    ``end`` to every server that took the version: it swaps it in and says what it serves
     evict      refusals recorded, servers that gave no answer evicted, a new epoch where needed
+    repair     with a relay (``fanout``): the servers a failed hop left without the version get it
+               again, whole, once, over an epoch of their own (``Membership.park``), post to evict
     done       the other ranks hear the result; adapter versions are loaded, off every collective
 
 Each HTTP phase has its own deadline, ``engine.calls(phase) x deadlines.http_s``, enforced inside the
@@ -64,11 +66,15 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
     send = VersionSend(members, version, plan, source, result, adapter)
     if not send.announce():
         return send.done()
-    send.post()
-    broken = send.data_path()
-    updated = send.collect_updates(broken)
-    ended = send.confirm(updated)
-    send.evict(updated | ended, broken)
+    survivors = send.deliver()
+    missed = send.missed(survivors)
+    if missed:
+        members.park(missed)
+        if send.announce(whole=True):
+            survivors = send.deliver()
+            send.result.repaired = sorted(u for u in send.result.server_versions if u in {e.url for e in missed})
+    if survivors is not None:
+        members.form(survivors)
     return send.done()
 
 
@@ -88,18 +94,20 @@ class VersionSend:
         self.requests: dict[str, UpdateRequest] = {}
         self.posted: dict[str, concurrent.futures.Future[Any]] = {}
         self.took: list[EngineClient] = []  # the servers whose update succeeded: sent ``end``
+        self.repairing = False  # the version is being sent again to the servers a relay failed
         self.t_apply = self.start  # when the trainer started waiting for the servers' answers
 
     # -- announce --------------------------------------------------------------------------------
 
-    def announce(self) -> bool:
-        """The update request and the other ranks' plan; False when no server is there to send to."""
+    def announce(self, whole: bool = False) -> bool:
+        """The update request and the other ranks' plan; False when no server is there to send to.
+        ``whole``: no bucket as a delta (a repair, whose encoding went with the first try)."""
         members, plan, ranks = self.members, self.plan, self.members.ranks
         if members.group is None and not members.shared:
             ranks.from_leader(Version(None))  # no server to send to: the other ranks skip it too
-            self.result.failures = dict(members.evicted)
+            self.result.failures.update(members.evicted)
             return False
-        self.delta = delta_for(members, plan, self.source)
+        self.delta = None if whole else delta_for(members, plan, self.source)
         self.sizes = [n or b.nbytes for n, b in zip(self.delta.nbytes, plan.buckets)] if self.delta else \
             [b.nbytes for b in plan.buckets]
         self.deadlines = tuple(members.pace.deadline_s(n) for n in self.sizes)
@@ -116,6 +124,14 @@ class VersionSend:
         self.frames = VersionFrames.of(self.request)  # every bucket's frame header to asyncsync's receivers carries it
         ranks.from_leader(Version(VersionPlan(self.version, self.deadlines, self.frames, self.delta)))
         return True
+
+    def deliver(self) -> list[EngineClient] | None:
+        """post, data path, collect, confirm, evict: the servers a new epoch forms over, or None."""
+        self.post()
+        broken = self.data_path()
+        updated = self.collect_updates(broken)
+        ended = self.confirm(updated)
+        return self.evict(updated | ended, broken)
 
     # -- post: begin and update ------------------------------------------------------------------
 
@@ -160,7 +176,8 @@ class VersionSend:
         members, result, ranks = self.members, self.result, self.members.ranks
         broken: str | PackFailed | None = None
         if members.group is not None:
-            wired = {u: f for u, f in self.posted.items() if u not in members.shared}
+            relayed = members.relayed()  # their answers say nothing of the trainer's own broadcasts
+            wired = {u: f for u, f in self.posted.items() if u not in members.shared and u not in relayed}
             background = frozenset(e.url for e in self.engines if e.receives_in_background)
             try:
                 broken, crcs = DataPath(members.group, ranks, self.plan, self.source, result, self.deadlines,
@@ -170,10 +187,10 @@ class VersionSend:
                 members.drop_group(broken=True)
                 _collect(self.posted, self._update_s(self.engines))
                 raise
-            result.wire_bytes = sum(self.sizes)
+            result.wire_bytes += sum(self.sizes)
             result.delta_base = self.delta.base if self.delta else None
             result.delta_buckets = sum(1 for n in self.delta.nbytes if n) if self.delta else 0
-        result.wire_s = time.perf_counter() - self.start - result.pack_s
+        result.wire_s = time.perf_counter() - self.start - result.pack_s  # a repair's included
         if broken is not None:
             members.drop_group(broken=True)
         elif members.group is not None:
@@ -212,7 +229,7 @@ class VersionSend:
         self.took = [e for e in self.engines if not isinstance(updated[e.url], BaseException)]
         ended = _collect({e.url: members.control.submit(self._end(e)) for e in self.took},
                          max((self._deadline(e, "end") + self._deadline(e, "abort") for e in self.took), default=0.0))
-        result.server_versions = {u: v for u, v in ended.items() if not isinstance(v, BaseException)}
+        result.server_versions.update({u: v for u, v in ended.items() if not isinstance(v, BaseException)})
         for e in self.engines:
             if self.adapter is None and result.server_versions.get(e.url) == version:
                 members.baselines[e.url] = version
@@ -242,14 +259,14 @@ class VersionSend:
 
     # -- evict -----------------------------------------------------------------------------------
 
-    def evict(self, answers: dict[str, Any], broken: str | PackFailed | None) -> None:
+    def evict(self, answers: dict[str, Any], broken: str | PackFailed | None) -> list[EngineClient] | None:
         """A server that answered no is a refusal (it keeps its version and stays; a layout refusal is
         kept: every later version of this plan would be refused too); one that gave no answer is
-        evicted (what it may still be reading of shared memory is never rewritten); a new epoch forms
-        after either an eviction or a broken data plane."""
+        evicted (what it may still be reading of shared memory is never rewritten). Returns the
+        servers a new epoch must form over after either an eviction or a broken data plane, else None."""
         members, result = self.members, self.result
         failures = {u: r for u, r in answers.items() if isinstance(r, BaseException)}
-        result.failures = {u: str(r) for u, r in failures.items()}
+        result.failures.update({u: str(r) for u, r in failures.items()})
         unreachable = [u for u, r in failures.items() if not (isinstance(r, ServerError) and r.status is not None)]
         for url, err in failures.items():
             if url not in unreachable:
@@ -263,7 +280,26 @@ class VersionSend:
                 assert shm is not None
                 members.pool.evicted(url, shm.segment)
         if broken is not None or unreachable:
-            members.form([e for e in self.engines if e.url not in unreachable])
+            return [e for e in self.engines if e.url not in unreachable]
+        return None
+
+    # -- repair ----------------------------------------------------------------------------------
+
+    def missed(self, survivors: list[EngineClient] | None) -> list[EngineClient]:
+        """With a relay, the servers still here that did not take the version for a reason other than
+        its layout: a hop above them died, failed or corrupted it (each verifies every bucket), so
+        they are sent it again, once. None without a relay, for a sharded trainer (its other ranks
+        follow one send per version) and for adapter versions; they get the next version."""
+        members, result = self.members, self.result
+        if not members.trees or members.ranks.world > 1 or self.adapter is not None or self.repairing:
+            return []
+        here = {e.url for e in survivors} if survivors is not None else {e.url for e in self.engines}
+        missed = [e for e in self.engines if e.url in here and e.url in result.failures
+                  and e.url not in members.shared and e.url not in members.refusing]
+        for e in missed:
+            members.metrics.event("repair", e.url, self.version, f"a relay did not bring it: {result.failures.pop(e.url)}")
+        self.repairing = bool(missed)
+        return missed
 
     # -- done ------------------------------------------------------------------------------------
 

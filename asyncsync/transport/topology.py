@@ -12,9 +12,15 @@ can join several groups, one group per owning trainer rank: trainer rank r is ra
 with the servers, which join all of them at the same ranks (``InitGroupRequest.more_groups``), so a
 bucket crosses only from its owner to the servers. SGLang joins one group: its buckets come from rank 0.
 
+With ``fanout`` other than ``direct`` (one sending trainer rank), a protocol's servers that relay
+(asyncsync's, one data-plane rank each) form a tree (``transport.relay``): the trainer's group holds
+only the tree's root (and the servers that cannot relay), and every edge below is a two-rank group
+whose rendezvous store the trainer runs (``RelayStores``), since it cannot pick free ports elsewhere.
+
     layout = GroupLayout.of(config, engines, world_sizes, runtime, sources)
     # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
     groups = layout.join(rank)                # rank 0 of this trainer rank's groups, once all joined
+                                              # (rank 0 first runs the relay edges' stores)
     works = groups.broadcast_async(bucket, header=frames.header(i, bucket))  # into every group (the header:
     groups.wait(works)                                                       # only where the protocol is framed)
     groups.broadcast_checksums(crcs, frames=frames)  # only to the groups whose protocol expects them
@@ -24,9 +30,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.distributed import TCPStore
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.protocol.device import Runtime
@@ -34,32 +42,52 @@ from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import DataPlaneGroup, free_port, resolve_backend
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import DataPlaneProtocol, EngineClient
+from asyncsync.transport.relay import RelayTree
 
 log = logging.getLogger(__name__)
 
 
 class GroupLayout:
     """The groups of one epoch: per data-plane protocol, one group per owning trainer rank (or one),
-    and every server's rank in them, in config order."""
+    and every server's rank in them, in config order; with a relay, its trees and their edges."""
 
     def __init__(self, groups: list[tuple[DataPlaneProtocol, tuple[GroupSpec, ...]]],
-                 members: dict[str, tuple[tuple[GroupSpec, ...], int]], runtime: Runtime):
+                 members: dict[str, tuple[tuple[GroupSpec, ...], int]], runtime: Runtime,
+                 trees: Sequence[RelayTree] = (), relay: Mapping[str, tuple[GroupSpec, ...]] | None = None):
         self.groups = groups
         self._members = members
         self.runtime = runtime
+        self.trees = tuple(trees)
+        self._relay = dict(relay or {})  # url -> the edges it is rank 0 of
+
+    @property
+    def edges(self) -> list[GroupSpec]:
+        return [spec for specs in self._relay.values() for spec in specs]
 
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
-           runtime: Runtime, sources: int = 1) -> GroupLayout:
+           runtime: Runtime, sources: int = 1, buckets: int = 1) -> GroupLayout:
         """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
         backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise). ``sources``: how many
-        trainer ranks send buckets."""
+        trainer ranks send buckets; ``buckets``: how many a version has (``fanout: auto`` plans by it)."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
         backend = resolve_backend(config.backend, runtime)
         groups, members, port_index = [], {}, 0
+        trees, relay = [], {}
         for protocol, servers in by_protocol.items():
+            tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets)
+            if tree is not None:
+                trees.append(tree)
+                below = {u for u in tree.order if u != tree.root}
+                servers = [e for e in servers if e.url not in below]  # the trainer's group: the root and the rest
+                for n, (upper, lower) in enumerate(tree.edges()):
+                    edge = GroupSpec(host=config.master_addr, port=free_port(config.master_addr), world_size=2,
+                                     group_name=f"{config.group_name}.relay{len(trees)}.{n}", backend=backend,
+                                     timeout_s=config.deadlines.collective_s)
+                    relay[upper] = (*relay.get(upper, ()), edge)
+                    members[lower] = ((edge,), 1)
             world = 1 + sum(world_sizes[e.url] for e in servers)
             specs = []
             for r in range(sources if protocol.multi_group else 1):
@@ -73,19 +101,57 @@ class GroupLayout:
             for e in servers:
                 members[e.url] = (tuple(specs), rank)
                 rank += world_sizes[e.url]
-        return cls(groups, members, runtime)
+        return cls(groups, members, runtime, trees, relay)
 
-    def membership(self, engine: EngineClient) -> tuple[tuple[GroupSpec, ...], int]:
-        """The groups ``engine`` joins and the rank of its first worker (``init_group``'s arguments)."""
-        return self._members[engine.url]
+    def membership(self, engine: EngineClient) -> tuple[tuple[GroupSpec, ...], int, tuple[GroupSpec, ...]]:
+        """The groups ``engine`` joins, the rank of its first worker, and the relay edges it is rank 0
+        of (``init_group``'s arguments)."""
+        specs, rank = self._members[engine.url]
+        return specs, rank, self._relay.get(engine.url, ())
 
     def specs_for(self, trainer_rank: int) -> list[tuple[DataPlaneProtocol, GroupSpec]]:
         """The groups trainer rank ``trainer_rank`` is rank 0 of."""
         return [(protocol, specs[trainer_rank]) for protocol, specs in self.groups if trainer_rank < len(specs)]
 
     def join(self, trainer_rank: int = 0) -> TrainerGroups:
-        """Join this trainer rank's groups as their rank 0; each returns once all of its servers' ranks joined."""
-        return join_groups(self.specs_for(trainer_rank), self.runtime)
+        """Join this trainer rank's groups as their rank 0; each returns once all of its servers' ranks
+        joined. Rank 0 first runs the relay edges' stores, which live as long as its groups."""
+        stores = RelayStores(self.edges) if trainer_rank == 0 else None
+        try:
+            groups = join_groups(self.specs_for(trainer_rank), self.runtime)
+        except BaseException:
+            if stores is not None:
+                stores.close()
+            raise
+        groups.stores = stores
+        return groups
+
+
+def _plan_tree(config: WeightSyncConfig, protocol: DataPlaneProtocol, servers: Sequence[EngineClient],
+               world_sizes: Mapping[str, int], sources: int, buckets: int) -> RelayTree | None:
+    """The relay tree over ``servers`` that can relay (``protocol.relay``, one data-plane rank each),
+    or None: ``fanout: direct``, a trainer that sends from several ranks, fewer than two such servers."""
+    if config.fanout == "direct" or sources > 1 or not protocol.relay:
+        return None
+    relaying = [e.url for e in servers if world_sizes[e.url] == 1]
+    if len(relaying) < 2:
+        return None
+    fanout = RelayTree.auto_fanout(len(relaying), buckets) if config.fanout == "auto" else int(config.fanout)
+    return RelayTree.plan(relaying, fanout)
+
+
+class RelayStores:
+    """The rendezvous stores of an epoch's relay edges, run by the trainer (the servers join them as
+    clients, the upper server as its edge's rank 0); closed with the epoch's groups."""
+
+    def __init__(self, edges: Sequence[GroupSpec]):
+        self._stores: list[TCPStore] = []
+        for spec in edges:
+            self._stores.append(TCPStore(spec.host, spec.port, spec.world_size, True,
+                                         timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False))
+
+    def close(self) -> None:
+        self._stores = []  # a TCPStore's server stops with its last reference
 
 
 def join_groups(specs: Sequence[tuple[DataPlaneProtocol, GroupSpec]], runtime: Runtime) -> TrainerGroups:
@@ -117,6 +183,7 @@ class TrainerGroups:
         self.device: torch.device = runtime.device
         self._cold = {id(g) for p, g in groups if not p.warmup}
         self._pending: list[list[Any]] = []
+        self.stores: RelayStores | None = None  # the relay edges' rendezvous stores (rank 0's, with a relay)
 
     @property
     def layout(self) -> list[tuple[str, int]]:
@@ -175,3 +242,6 @@ class TrainerGroups:
         self._pending = []
         for _, group in self._groups:
             group.close(broken)
+        if self.stores is not None:
+            self.stores.close()
+            self.stores = None

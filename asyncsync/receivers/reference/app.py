@@ -322,7 +322,7 @@ class ReferenceServer:
     async def init_group(self, request: web.Request) -> web.Response:
         req = InitGroupRequest.from_json(await _json(request))
         self.joins.abandon()  # the trainer wants this group now: a join still hanging on an older one ends
-        await self._data_plane(self.receiver.join, req.groups, req.rank_offset)
+        await self._data_plane(self.receiver.join, req.groups, req.rank_offset, True, req.relay)
         self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 

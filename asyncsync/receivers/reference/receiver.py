@@ -86,10 +86,12 @@ class WeightReceiver:
         """The tensor names every version must carry (the model's, a tied weight once)."""
         return list(self.stager.admission.expected)
 
-    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True) -> None:
-        """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank); the
-        first join makes the staging arenas, so no version of the session pays for their pages."""
-        self.stager.join(specs, rank, warmup)
+    def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True,
+             relay: Sequence[GroupSpec] = ()) -> None:
+        """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank) and the
+        ``relay`` edges below this server; the first join makes the staging arenas, so no version of
+        the session pays for their pages."""
+        self.stager.join(specs, rank, warmup, relay)
         if not self.stager.arenas:
             self._make_arenas()
 

@@ -140,7 +140,8 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         """Join the trainer's groups: every worker as its own rank (``device``), or the engine's stager as
-        the engine's one rank (``host``: ``rank_offset + data-parallel index``)."""
+        the engine's one rank (``host``: ``rank_offset + data-parallel index``); a relay's edges are
+        for an engine of one data-plane rank (the trainer plans no relay through any other)."""
         pc = self.parallel_config
         if not self.receives:
             return
@@ -148,7 +149,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         else:
             rank = init_info.rank_offset + pc.data_parallel_index
-        self.background.join(init_info.groups, rank)  # drops a version of the old groups, which cannot complete
+        self.background.join(init_info.groups, rank, init_info.relay)  # drops a version of the old groups, which cannot complete
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the reload is opened only once a version is verified."""

@@ -7,19 +7,22 @@ servers and measures, per version, the time until every server serves it (``vers
 bytes that left the trainer's link (``trainer_bytes``, its interface's transmit counter, so TCP/IP
 framing is included). Every server is checked to serve the trainer's bytes (a digest of its weights).
 
-Paths: ``direct`` (today's: one data-plane group over the trainer and every server). gloo's broadcast
-in such a group is a binomial tree: the root sends ceil(log2(world)) copies and the receivers forward
-to each other, a whole buffer per step, unpipelined and unverified per hop, so both figures grow as
-log2(N + 1) (measured: 4.0x the version's bytes and 4.4x the time at N = 8). The relay path (servers
-forwarding verified buckets down a planned, pipelined tree) is not built yet: ``relay`` is absent
-from the results and its targets are reported as not met.
+Paths, measured one after the other in one run over the same servers:
+
+* ``direct`` (``fanout: direct``): one data-plane group over the trainer and every server. gloo's
+  broadcast in such a group is a binomial tree: the root sends ceil(log2(world)) copies and the
+  receivers forward to each other, a whole buffer per step, unpipelined and unverified per hop, so
+  both figures grow as log2(N + 1).
+* ``relay`` (``fanout: auto``): the trainer sends one copy to the first server; each server forwards
+  every bucket down the planned tree as it lands and verifies every bucket itself
+  (``protocol/relay.py``); with these bucket counts ``auto`` plans a chain.
 
 Writes benchmarks/results/fanout.{json,png}; keys per path and N: ``version_s``, ``trainer_bytes``;
 per path: ``time_ratio_8_to_1`` (version time at N = 8 over N = 1) and ``trainer_bytes_ratio`` (the
 most bytes that left the trainer's link per version, at any N, over the version's bytes). Skipped,
 saying why, where no cluster can be made (not root, no ``ip``).
 
-    python -m benchmarks.fanout [--link-gbit 2] [--versions 3] [--servers 1 2 4 8]
+    python -m benchmarks.fanout [--link-gbit 1] [--versions 3] [--servers 1 2 4 8] [--bucket-mib 4]
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ from asyncsync.netns import Link
 
 log = logging.getLogger("benchmarks.fanout")
 
-# Qwen2 in float32, 113 MB: large enough that a version is bound by a 2 gbit/s link, small enough
-# that 8 servers (each holding it twice: live and staged) fit this machine's memory.
-MODEL = {"family": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536, "num_layers": 8,
+# Qwen2 in float32, 105 MB: large enough that a version is bound by the link, small enough that 8 servers
+# (each holding it twice: live and staged) fit this machine's memory. Its largest tensors (3 MB) fit a
+# bucket: a relay forwards a bucket once it landed whole, so each hop adds the largest bucket's time.
+MODEL = {"family": "qwen2", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1536, "num_layers": 8,
          "num_heads": 8, "num_kv_heads": 2, "seed": 3}
 PORT = 8000
 TARGETS = {"relay": {"time_ratio_8_to_1": 1.5, "trainer_bytes_ratio": 1.1}}
+FANOUT = {"direct": "direct", "relay": "auto"}  # each path's config
 
 
-def trainer_side(urls: list[str], address: str, versions: int) -> dict[str, Any]:
+def trainer_side(urls: list[str], address: str, versions: int, fanout: str, bucket_mib: int) -> dict[str, Any]:
     """Inside the trainer's namespace: ``versions`` blocking versions to ``urls``, each timed and counted."""
     import torch
 
@@ -64,8 +69,8 @@ def trainer_side(urls: list[str], address: str, versions: int) -> dict[str, Any]
         wait_healthy(url, 300, f"the server at {url}")
     model = build_model(ModelConfig.from_dict(dict(MODEL)))
     version_bytes = sum(t.nbytes for t in model.state_dict().values())
-    cfg = WeightSyncConfig.from_dict({"servers": urls, "transport": "collective", "delta": "off",
-                                      "master_addr": address, "bucket_bytes": "32MiB"})
+    cfg = WeightSyncConfig.from_dict({"servers": urls, "transport": "collective", "delta": "off", "fanout": fanout,
+                                      "master_addr": address, "bucket_bytes": f"{bucket_mib}MiB"})
     tx = Path("/sys/class/net/eth0/statistics/tx_bytes")
     times, sent = [], []
     with WeightSync(cfg) as sync:
@@ -90,10 +95,10 @@ def trainer_side(urls: list[str], address: str, versions: int) -> dict[str, Any]
             "all_version_s": times, "all_trainer_bytes": sent}
 
 
-def run(link_gbit: float, versions: int, counts: list[int]) -> dict[str, Any]:
+def run(link_gbit: float, versions: int, counts: list[int], bucket_mib: int) -> dict[str, Any]:
     hosts = {"trainer": Link(link_gbit), **{f"s{i}": Link(link_gbit) for i in range(max(counts))}}
-    out: dict[str, Any] = {"link_gbit": link_gbit, "model": MODEL, "versions": versions, "paths": {"direct": {}},
-                           "targets": TARGETS}
+    out: dict[str, Any] = {"link_gbit": link_gbit, "model": MODEL, "versions": versions, "bucket_mib": bucket_mib,
+                           "paths": {path: {} for path in FANOUT}, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp, Cluster(hosts) as c:
         model_yaml = Path(tmp) / "model.yaml"
         model_yaml.write_text(yaml.safe_dump({"model": MODEL}))
@@ -102,17 +107,17 @@ def run(link_gbit: float, versions: int, counts: list[int]) -> dict[str, Any]:
                    for h in hosts if h != "trainer"]
         try:
             for n in counts:
-                urls = [f"http://{c.address(f's{i}')}:{PORT}" for i in range(n)]
-                result = Path(tmp) / f"direct-{n}.json"
-                code = (f"import json, sys; from benchmarks.fanout import trainer_side; "
-                        f"json.dump(trainer_side({urls!r}, {c.address('trainer')!r}, {versions}), open({str(result)!r}, 'w'))")
-                done = c.popen("trainer", [sys.executable, "-c", code])
-                if done.wait(900) != 0:
-                    raise RuntimeError(f"the trainer's run to {n} server(s) failed (exit code {done.returncode})")
-                row = json.loads(result.read_text())
-                out["paths"]["direct"][str(n)] = row
-                log.info("direct to %d server(s): %.2f s per version, %.0f MB left the trainer's link", n,
-                         row["version_s"], row["trainer_bytes"] / 1e6)
+                for path, fanout in FANOUT.items():
+                    urls = [f"http://{c.address(f's{i}')}:{PORT}" for i in range(n)]
+                    result = Path(tmp) / f"{path}-{n}.json"
+                    args = json.dumps([urls, c.address("trainer"), versions, fanout, bucket_mib, str(result)])
+                    done = c.popen("trainer", [sys.executable, "-m", "benchmarks.fanout", "--trainer-side", args])
+                    if done.wait(900) != 0:
+                        raise RuntimeError(f"the trainer's {path} run to {n} server(s) failed (exit code {done.returncode})")
+                    row = json.loads(result.read_text())
+                    out["paths"][path][str(n)] = row
+                    log.info("%s to %d server(s): %.2f s per version, %.0f MB left the trainer's link", path, n,
+                             row["version_s"], row["trainer_bytes"] / 1e6)
         finally:
             for p in servers:
                 p.kill()
@@ -122,8 +127,8 @@ def run(link_gbit: float, versions: int, counts: list[int]) -> dict[str, Any]:
         rows_bytes = [r["trainer_bytes"] / r["version_bytes"] for r in rows.values()]
         out["paths"][path] = {**rows, "time_ratio_8_to_1": last["version_s"] / first["version_s"] if first and last else None,
                               "trainer_bytes_ratio": max(rows_bytes)}
-    out["targets_met"] = {"relay": False}
-    out["note"] = "relay path not built yet: only today's direct path is measured"
+    out["targets_met"] = {path: all(out["paths"][path][k] is not None and out["paths"][path][k] <= limit
+                                     for k, limit in targets.items()) for path, targets in TARGETS.items()}
     return out
 
 
@@ -151,16 +156,22 @@ def main() -> None:
     from benchmarks.common import save
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--link-gbit", type=float, default=2.0)
+    parser.add_argument("--link-gbit", type=float, default=1.0)
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--bucket-mib", type=int, default=4)
+    parser.add_argument("--trainer-side", help=argparse.SUPPRESS)  # JSON: the trainer's run inside its namespace
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.trainer_side:
+        *call, result = json.loads(args.trainer_side)
+        Path(result).write_text(json.dumps(trainer_side(*call)))
+        return
     why = cluster.unavailable()
     if why is not None:
         print(f"skipped: cannot emulate a cluster here: {why}")
         return
-    save("fanout", run(args.link_gbit, args.versions, sorted(set(args.servers))), plot)
+    save("fanout", run(args.link_gbit, args.versions, sorted(set(args.servers)), args.bucket_mib), plot)
 
 
 if __name__ == "__main__":

@@ -73,18 +73,17 @@ class FramedReceive:
         landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
         for i, payload in enumerate(payloads):
             on = self.groups[req.source(i)]
+            if landing is not None:  # the payload before goes down as soon as it landed (a relay)
+                landing[0].wait(landing[1])
+                self.forward.send(i - 1, payloads[i - 1], req.deadline_s(i - 1))
             problem = frames.mismatch(self._header(*header), i, payload.numel() * payload.element_size())
             if problem is not None:
-                if landing is not None:
-                    landing[0].wait(landing[1])
                 raise Unframed(problem)
             work = on.broadcast_async(payload, req.deadline_s(i))
             if i + 1 < len(payloads):
                 header = self._post_header(i + 1)
             if landing is not None:
-                landing[0].wait(landing[1])
-                self.forward.send(i - 1, payloads[i - 1], req.deadline_s(i - 1))
-                self._landed(len(self.crcs))
+                self._landed(len(self.crcs))  # checked while this payload arrives
             landing = (on, work)
         assert landing is not None
         landing[0].wait(landing[1])

@@ -114,6 +114,9 @@ class Membership:
         self.refusing: dict[str, str] = {}
         self.group: TrainerGroups | None = None
         self.trees: tuple[RelayTree, ...] = ()  # the current epoch's relay trees (``fanout``)
+        # The relay trees' servers, oldest member first: every tree keeps their order, and a server
+        # that was evicted leaves it, so that it comes back as a leaf.
+        self.seniority: list[str] = []
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
         self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
@@ -224,7 +227,7 @@ class Membership:
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources, self.buckets)
+            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources, self.buckets, self.seniority)
             self.ranks.from_leader(Epoch([layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
             joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
             try:
@@ -243,6 +246,7 @@ class Membership:
                          [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
                          "".join(f"; relay {t.describe()}" for t in layout.trees))
                 self.trees = layout.trees
+                self.seniority += [u for t in layout.trees for u in t.order if u not in self.seniority]
                 break
             if group is not None:
                 group.close(broken=True)
@@ -333,6 +337,7 @@ class Membership:
 
     def evict(self, url: str, reason: str) -> None:
         self.baselines.pop(url, None)  # it may come back restarted: the next version it gets is whole
+        self.seniority = [u for u in self.seniority if u != url]
         if self.pool is not None:
             self.pool.evicted(url)  # it loses its lease: what it maps is retired, never rewritten
         if url not in self.evicted:

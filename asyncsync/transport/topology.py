@@ -66,10 +66,12 @@ class GroupLayout:
 
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
-           runtime: Runtime, sources: int = 1, buckets: int = 1) -> GroupLayout:
+           runtime: Runtime, sources: int = 1, buckets: int = 1, seniority: Sequence[str] = ()) -> GroupLayout:
         """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
         backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise). ``sources``: how many
-        trainer ranks send buckets; ``buckets``: how many a version has (``fanout: auto`` plans by it)."""
+        trainer ranks send buckets; ``buckets``: how many a version has (``fanout: auto`` plans by it);
+        ``seniority``: servers in the order the relay tree takes them, the others after them (in config
+        order): a server that comes back after an eviction joins as a leaf, not above the others."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
@@ -77,7 +79,7 @@ class GroupLayout:
         groups, members, port_index = [], {}, 0
         trees, relay = [], {}
         for protocol, servers in by_protocol.items():
-            tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets)
+            tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets, seniority)
             if tree is not None:
                 trees.append(tree)
                 below = {u for u in tree.order if u != tree.root}
@@ -128,12 +130,13 @@ class GroupLayout:
 
 
 def _plan_tree(config: WeightSyncConfig, protocol: DataPlaneProtocol, servers: Sequence[EngineClient],
-               world_sizes: Mapping[str, int], sources: int, buckets: int) -> RelayTree | None:
+               world_sizes: Mapping[str, int], sources: int, buckets: int, seniority: Sequence[str]) -> RelayTree | None:
     """The relay tree over ``servers`` that can relay (``protocol.relay``, one data-plane rank each),
     or None: ``fanout: direct``, a trainer that sends from several ranks, fewer than two such servers."""
     if config.fanout == "direct" or sources > 1 or not protocol.relay:
         return None
-    relaying = [e.url for e in servers if world_sizes[e.url] == 1]
+    rank = {url: i for i, url in enumerate(seniority)}
+    relaying = sorted((e.url for e in servers if world_sizes[e.url] == 1), key=lambda u: rank.get(u, len(rank)))
     if len(relaying) < 2:
         return None
     fanout = RelayTree.auto_fanout(len(relaying), buckets) if config.fanout == "auto" else int(config.fanout)

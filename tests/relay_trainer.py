@@ -1,0 +1,108 @@
+"""The trainer side of tests/test_relay.py, run as its own process (inside the trainer's network
+namespace on an emulated cluster): relayed versions, blocking then async, one interior server killed
+mid-version, its return as a leaf. Writes what it saw as JSON for the test to judge.
+
+    python tests/relay_trainer.py '{"urls": [...], "master_addr": ..., "victim_pid": ..., "dir": ...}'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync.launch.http import http_call, wait_healthy
+from asyncsync.models import ModelConfig, build_model
+from asyncsync.receivers.reference.receiver import tensor_bytes
+
+
+def digest(model: torch.nn.Module) -> dict[str, str]:
+    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
+
+
+def served(urls: list[str], model: torch.nn.Module) -> dict[str, Any]:
+    """Each server's version, and whether every tensor it serves has the bytes of ``model``'s (the
+    names both hold: a server keeps a tied weight once)."""
+    want, out = digest(model), {}
+    for url in urls:
+        answer = http_call(url, "GET", "/weights/digest", timeout_s=60)[1]
+        common = want.keys() & answer["digest"].keys()
+        out[url] = {"version": answer["version"], "same": bool(common) and all(answer["digest"][n] == want[n] for n in common)}
+    return out
+
+
+def step(model: torch.nn.Module, version: int) -> None:
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+
+
+def tree_of(sync: WeightSync) -> list[str]:
+    return [u for m in sync.connection.role.members for t in m.trees for u in t.order]
+
+
+def main(args: dict[str, Any]) -> None:
+    urls, out = args["urls"], Path(args["dir"])
+    for url in urls:
+        wait_healthy(url, 300, f"the server at {url}")
+    model = build_model(ModelConfig.from_dict(args["model"]))
+    base = {"servers": urls, "transport": "collective", "fanout": 1, "master_addr": args["master_addr"],
+            "bucket_bytes": "2MiB", "readmit_interval_s": 0.5}
+    seen: dict[str, Any] = {"versions": {}}
+    with WeightSync(WeightSyncConfig.from_dict(base)) as sync:
+        sync.connect(model)
+        seen["tree"] = tree_of(sync)
+        for v in (1, 2):  # blocking, every server healthy
+            step(model, v)
+            t0 = time.perf_counter()
+            result = sync.publish(model, v)
+            seen["versions"][v] = {"s": time.perf_counter() - t0, "servers": result.server_versions,
+                                   "failures": result.failures, "served": served(urls, model)}
+        # Version 3: the second server of the chain (an interior one) is killed while it relays.
+        step(model, 3)
+        killer = threading.Timer(args["kill_after"] * seen["versions"][2]["s"], os.kill, (args["victim_pid"], signal.SIGKILL))
+        t0 = time.perf_counter()
+        killer.start()
+        result = sync.publish(model, 3)
+        killer.join()
+        survivors = [u for u in urls if u != args["victim"]]
+        seen["versions"][3] = {"s": time.perf_counter() - t0, "servers": result.server_versions, "failures": result.failures,
+                               "repaired": result.repaired, "served": served(survivors, model)}
+        (out / "killed").write_text("")
+        while not (out / "restarted").exists():  # the test restarts it, in its own namespace
+            time.sleep(0.1)
+        wait_healthy(args["victim"], 300, "the restarted server")
+        time.sleep(1.0)  # past readmit_interval_s: the next version probes it
+        for v in (4, 5):
+            step(model, v)
+            result = sync.publish(model, v)
+            seen["versions"][v] = {"servers": result.server_versions, "failures": result.failures,
+                                   "served": served(urls, model)}
+        seen["tree_after"] = tree_of(sync)
+    # Async: versions published while the last is still on its way; close() drains the last one.
+    with WeightSync(WeightSyncConfig.from_dict({**base, "async_weight_update": True})) as sync:
+        sync.connect(model)
+        for v in range(6, 10):
+            sync.wait_snapshot()
+            step(model, v)
+            sync.publish(model, v)
+        tree = tree_of(sync)
+        sync.close()
+        seen["async"] = {"sent": [r.version for r in sync.metrics.history], "errors": [str(e) for e in sync.errors],
+                         "failed": sync.metrics.as_dict()["failed"], "served": served(urls, model),
+                         "tree": tree}
+    (out / "seen.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

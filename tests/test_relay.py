@@ -1,0 +1,171 @@
+"""The relay (``fanout``): servers forwarding versions down a tree the trainer plans.
+
+The end-to-end test runs on an emulated cluster (``asyncsync.cluster``: a trainer host and four server
+hosts, each on its own shaped link); where none can be made (not root) the same run goes over
+loopback, and says so. The trainer runs in its own process (``relay_trainer.py``, inside the
+trainer's namespace): blocking versions down a chain, one interior server killed with SIGKILL while
+it relays, its return as a leaf, then async versions drained by close().
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from asyncsync import cluster
+from asyncsync.cluster import Cluster
+from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.netns import Link
+from asyncsync.protocol.group import free_port
+from asyncsync.protocol.wire import GroupSpec, InitGroupRequest, WireError
+from asyncsync.transport.relay import RelayTree
+
+HERE = Path(__file__).parent
+# Qwen2 in float32, 27 MB: 14 buckets of 2 MiB, a version ~0.4 s per hop at the links' 0.5 gbit/s.
+MODEL = {"family": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "num_layers": 6,
+         "num_heads": 4, "num_kv_heads": 2, "seed": 5}
+LINK = Link(gbit=0.5)
+SERVERS = 4
+DEAD_SERVER_BUDGET_S = 3.0  # a version whose interior server dies takes at most this much longer
+
+
+# -- planning and messages --------------------------------------------------------------------------
+
+def test_a_chain_and_a_tree_place_every_server_once_below_the_root():
+    chain = RelayTree.plan(["a", "b", "c", "d"], 1)
+    assert chain.edges() == [("a", "b"), ("b", "c"), ("c", "d")]
+    assert chain.parent("a") is None and chain.parent("d") == "c" and chain.depth == 4
+    assert chain.describe() == "trainer -> a -> b -> c -> d"
+    tree = RelayTree.plan(list("abcdefgh"), 2)
+    assert tree.below("a") == ("b", "c") and tree.below("d") == ("h",) and tree.below("h") == ()
+    assert sorted(lower for _, lower in tree.edges()) == list("bcdefgh") and tree.depth == 4
+    with pytest.raises(ValueError, match="twice"):
+        RelayTree.plan(["a", "a"], 1)
+
+
+def test_auto_picks_a_chain_unless_the_servers_far_outnumber_the_buckets():
+    assert RelayTree.auto_fanout(8, 32) == 1       # (32 + 7) bucket-times beat 2 x (32 + 3)
+    assert RelayTree.auto_fanout(4, 4) == 1
+    assert RelayTree.auto_fanout(512, 32) == 2     # a chain's 543 bucket-times against 2 x (32 + 8)
+    assert RelayTree.auto_fanout(64, 1) > 1
+
+
+def test_init_group_carries_relay_edges_and_refuses_what_cannot_be_one():
+    spec = GroupSpec("10.0.0.1", 29500, 2, "g", "gloo", 60.0)
+    edge = GroupSpec("10.0.0.1", 29501, 2, "g.relay1.0", "gloo", 60.0)
+    req = InitGroupRequest(spec, 1, relay=(edge,))
+    assert InitGroupRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+    assert "relay" not in InitGroupRequest(spec, 1).to_json()  # a direct server's request is as before
+    with pytest.raises(WireError, match="two ranks"):
+        InitGroupRequest(spec, 1, relay=(GroupSpec("10.0.0.1", 29501, 3, "e", "gloo", 60.0),))
+    with pytest.raises(WireError, match="one rank"):
+        InitGroupRequest(spec, 1, more_groups=(spec,), relay=(edge,))
+
+
+def test_fanout_is_checked_at_load():
+    assert WeightSyncConfig.from_dict({"fanout": "auto"}).fanout == "auto"
+    assert WeightSyncConfig.from_dict({"fanout": 2}).fanout == 2
+    for bad in (0, "tree", True, 65):
+        with pytest.raises(ConfigError, match="fanout"):
+            WeightSyncConfig.from_dict({"fanout": bad})
+    with pytest.raises(ConfigError, match="group_per_server"):
+        WeightSyncConfig.from_dict({"fanout": 1, "group_per_server": True, "async_weight_update": True})
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+class Hosts:
+    """Where the trainer and the servers run: an emulated cluster's namespaces, or loopback."""
+
+    def __init__(self, made: Cluster | None):
+        self.cluster = made
+        self.ports = {f"s{i}": 8000 if made else free_port() for i in range(SERVERS)}
+
+    def address(self, host: str) -> str:
+        return self.cluster.address(host) if self.cluster else "127.0.0.1"
+
+    def url(self, host: str) -> str:
+        return f"http://{self.address(host)}:{self.ports[host]}"
+
+    def popen(self, host: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        return self.cluster.popen(host, argv, **kwargs) if self.cluster else subprocess.Popen(argv, **kwargs)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    why = cluster.unavailable()
+    if why is not None:
+        print(f"no emulated cluster here ({why}): the relay runs over loopback")
+        yield Hosts(None)
+        return
+    with Cluster({"trainer": LINK, **{f"s{i}": LINK for i in range(SERVERS)}}) as made:
+        yield Hosts(made)
+
+
+def test_a_relayed_chain_serves_the_trainers_bytes_and_heals_around_a_killed_interior_server(hosts, tmp_path):
+    model_yaml = tmp_path / "model.yaml"
+    model_yaml.write_text(yaml.safe_dump({"model": MODEL}))
+
+    def serve(host: str) -> subprocess.Popen[Any]:
+        return hosts.popen(host, [sys.executable, "-m", "asyncsync.cli", "--log-level", "WARNING", "serve", "--host",
+                                  hosts.address(host), "--port", str(hosts.ports[host]), "--model-config", str(model_yaml)])
+
+    names = [f"s{i}" for i in range(SERVERS)]
+    urls = [hosts.url(h) for h in names]
+    procs = {h: serve(h) for h in names}
+    trainer = None
+    try:
+        args = {"urls": urls, "master_addr": hosts.address("trainer") if hosts.cluster else "127.0.0.1",
+                "model": MODEL, "victim": urls[1], "victim_pid": procs["s1"].pid, "kill_after": 0.35, "dir": str(tmp_path)}
+        trainer = hosts.popen("trainer", [sys.executable, str(HERE / "relay_trainer.py"), json.dumps(args)])
+        wait_for(lambda: (tmp_path / "killed").exists() or trainer.poll() is not None, 600)
+        assert trainer.poll() is None, f"the trainer side failed (exit code {trainer.returncode})"
+        procs["s1"].wait(10)  # killed by the trainer side, mid-version
+        procs["s1"] = serve("s1")
+        (tmp_path / "restarted").write_text("")
+        assert trainer.wait(600) == 0
+    finally:
+        for p in [*procs.values(), *([trainer] if trainer else [])]:
+            p.kill()
+            p.wait()
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    versions = {int(v): row for v, row in seen["versions"].items()}
+
+    assert seen["tree"] == urls, "a chain in config order: trainer -> s0 -> s1 -> s2 -> s3"
+    for v in (1, 2, 4, 5):  # every server serves exactly the trainer's bytes of every version
+        row = versions[v]
+        assert row["failures"] == {} and row["servers"] == {u: v for u in urls}
+        for url, answer in row["served"].items():
+            assert answer == {"version": v, "same": True}, f"{url} at version {v}"
+
+    killed = versions[3]
+    survivors = [u for u in urls if u != urls[1]]
+    assert set(killed["failures"]) == {urls[1]}, "only the killed server misses version 3"
+    assert set(killed["repaired"]) == set(urls[2:]), "the servers below it got version 3 again"
+    assert killed["servers"] == {u: 3 for u in survivors}
+    for url, answer in killed["served"].items():
+        assert answer == {"version": 3, "same": True}, f"{url} serves a mix or another version"
+    assert killed["s"] <= versions[2]["s"] + DEAD_SERVER_BUDGET_S, (killed["s"], versions[2]["s"])
+
+    assert seen["tree_after"] == [*survivors, urls[1]], "the restarted server rejoined as the chain's leaf"
+
+    done = seen["async"]
+    assert done["errors"] == [] and done["failed"] == 0
+    assert done["sent"][-1] == 9 and done["sent"] == sorted(done["sent"]), "close() drained the last version"
+    for url, answer in done["served"].items():
+        assert answer == {"version": 9, "same": True}, f"{url} after the async versions"
+
+
+def wait_for(ready: Callable[[], bool], timeout_s: float) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.1)

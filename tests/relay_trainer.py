@@ -57,10 +57,7 @@ def main(args: dict[str, Any]) -> None:
         wait_healthy(url, 300, f"the server at {url}")
     model = build_model(ModelConfig.from_dict(args["model"]))
     base = {"servers": urls, "transport": "collective", "fanout": 1, "master_addr": args["master_addr"],
-            "bucket_bytes": "2MiB", "readmit_interval_s": 0.5,
-            # A receive from a server that was killed fails only at its deadline (gloo does not fail a
-            # pending receive when its peer's socket closes): the floor bounds what a death costs.
-            "deadlines": {"broadcast_floor_s": 1.0}}
+            "bucket_bytes": "2MiB", "readmit_interval_s": 0.5}
     seen: dict[str, Any] = {"versions": {}}
     with WeightSync(WeightSyncConfig.from_dict(base)) as sync:
         sync.connect(model)

@@ -67,6 +67,15 @@ class Forward:
         while self._pending:
             self._settle(self._pending.pop(0))
 
+    def abandon(self) -> None:
+        """This server's own receive failed: every edge is closed and every forward in flight let go.
+        gloo closes a group's connections only once nothing references it (an abort leaves them
+        open), and only then does the receive of a server below fail, at once instead of at its
+        deadline: so nothing of the edges may outlive this call."""
+        for edge in self.edges:
+            edge.close(broken=True)
+        self.edges, self._pending = [], []
+
     def _settle(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
             if edge not in self.edges:
@@ -81,6 +90,7 @@ class Forward:
         """The server below is lost for this epoch; this server's own version goes on."""
         self.edges.remove(edge)
         edge.close(broken=True)
+        self._pending = [[s for s in sent if s[0] is not edge] for sent in self._pending]  # its works let go
         self.dropped.append(f"{edge.spec.group_name}: {error}")
         log.warning("relay edge %s dropped: %s (the trainer sends the servers below it the version again)",
                     edge.spec.group_name, error)

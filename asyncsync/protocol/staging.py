@@ -209,7 +209,9 @@ class BucketStager:
             # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
             # fails at once; after a failed one the group's collectives are out of step. Raised as text,
             # out of the handler: an exception chained to the failure would keep its works, and with
-            # them the group's sockets, alive.
+            # them the group's sockets, alive. The servers below (a relay) fail theirs at once.
+            receive.forward.abandon()
+            del receive
             self.close(broken=True)
             problem, data_plane = failed
             if data_plane:

@@ -17,6 +17,10 @@ Paths, measured one after the other in one run over the same servers:
   every bucket down the planned tree as it lands and verifies every bucket itself
   (``protocol/relay.py``); with these bucket counts ``auto`` plans a chain.
 
+Last, one more relayed version to the 8 servers with the chain's second server killed (SIGKILL) a
+third of the way in: ``kill`` (its ``version_s``, ``extra_s`` over a version, how many servers
+below it were ``repaired``: sent the version again), every other server checked to serve it.
+
 Writes benchmarks/results/fanout.{json,png}; keys per path and N: ``version_s``, ``trainer_bytes``;
 per path: ``time_ratio_8_to_1`` (version time at N = 8 over N = 1) and ``trainer_bytes_ratio`` (the
 most bytes that left the trainer's link per version, at any N, over the version's bytes). Skipped,
@@ -56,14 +60,20 @@ TARGETS = {"relay": {"time_ratio_8_to_1": 1.5, "trainer_bytes_ratio": 1.1}}
 FANOUT = {"direct": "direct", "relay": "auto"}  # each path's config
 
 
-def trainer_side(urls: list[str], address: str, versions: int, fanout: str, bucket_mib: int) -> dict[str, Any]:
-    """Inside the trainer's namespace: ``versions`` blocking versions to ``urls``, each timed and counted."""
+def trainer_side(urls: list[str], address: str, versions: int, fanout: str, bucket_mib: int,
+                 victim_pid: int | None = None) -> dict[str, Any]:
+    """Inside the trainer's namespace: ``versions`` blocking versions to ``urls``, each timed and counted.
+    With ``victim_pid`` (the server process of ``urls[1]``: interior in a chain), one version more, the
+    victim killed with SIGKILL a third of a version in: its time, and whether every other server serves it."""
+    import os
+    import signal
+    import threading
+
     import torch
 
     from asyncsync import WeightSync, WeightSyncConfig
-    from asyncsync.launch.http import http_call, wait_healthy
+    from asyncsync.launch.http import wait_healthy
     from asyncsync.models import ModelConfig, build_model
-    from asyncsync.receivers.reference.receiver import tensor_bytes
 
     for url in urls:
         wait_healthy(url, 300, f"the server at {url}")
@@ -85,14 +95,38 @@ def trainer_side(urls: list[str], address: str, versions: int, fanout: str, buck
             times.append(time.perf_counter() - t0)
             sent.append(int(tx.read_text()) - before)
             assert result is not None and not result.failures, result and result.failures
-        want = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
-    served = [http_call(u, "GET", "/weights/digest")[1] for u in urls]
-    for url, answer in zip(urls, served):  # every server serves exactly the trainer's bytes
-        assert answer["version"] == start + versions, (url, answer["version"])
+        check_served(urls, model, start + versions)
+        row = {"version_s": statistics.median(times), "trainer_bytes": max(sent), "version_bytes": version_bytes,
+               "all_version_s": times, "all_trainer_bytes": sent}
+        if victim_pid is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            after = row["version_s"] / 3
+            killer = threading.Timer(after, os.kill, (victim_pid, signal.SIGKILL))
+            t0 = time.perf_counter()
+            killer.start()
+            result = sync.publish(model, start + versions + 1)
+            killed_s = time.perf_counter() - t0
+            killer.join()
+            assert result is not None and set(result.failures) == {urls[1]}, result and result.failures
+            check_served([u for u in urls if u != urls[1]], model, start + versions + 1)
+            row["kill"] = {"killed": urls[1], "after_s": after, "version_s": killed_s,
+                           "extra_s": killed_s - row["version_s"], "repaired": len(result.repaired)}
+    return row
+
+
+def check_served(urls: list[str], model: Any, version: int) -> None:
+    """Every server serves ``version`` with exactly the trainer's bytes."""
+    from asyncsync.launch.http import http_call
+    from asyncsync.receivers.reference.receiver import tensor_bytes
+
+    want = {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
+    for url in urls:
+        answer = http_call(url, "GET", "/weights/digest")[1]
+        assert answer["version"] == version, (url, answer["version"])
         common = want.keys() & answer["digest"].keys()
         assert common and all(answer["digest"][n] == want[n] for n in common), f"{url} serves other bytes"
-    return {"version_s": statistics.median(times), "trainer_bytes": max(sent), "version_bytes": version_bytes,
-            "all_version_s": times, "all_trainer_bytes": sent}
 
 
 def run(link_gbit: float, versions: int, counts: list[int], bucket_mib: int) -> dict[str, Any]:
@@ -110,7 +144,9 @@ def run(link_gbit: float, versions: int, counts: list[int], bucket_mib: int) -> 
                 for path, fanout in FANOUT.items():
                     urls = [f"http://{c.address(f's{i}')}:{PORT}" for i in range(n)]
                     result = Path(tmp) / f"{path}-{n}.json"
-                    args = json.dumps([urls, c.address("trainer"), versions, fanout, bucket_mib, str(result)])
+                    # The last run of all kills the chain's second server once its versions are timed.
+                    victim = servers[1].pid if path == "relay" and n == counts[-1] and n > 2 else None
+                    args = json.dumps([urls, c.address("trainer"), versions, fanout, bucket_mib, victim, str(result)])
                     done = c.popen("trainer", [sys.executable, "-m", "benchmarks.fanout", "--trainer-side", args])
                     if done.wait(900) != 0:
                         raise RuntimeError(f"the trainer's {path} run to {n} server(s) failed (exit code {done.returncode})")
@@ -127,6 +163,7 @@ def run(link_gbit: float, versions: int, counts: list[int], bucket_mib: int) -> 
         rows_bytes = [r["trainer_bytes"] / r["version_bytes"] for r in rows.values()]
         out["paths"][path] = {**rows, "time_ratio_8_to_1": last["version_s"] / first["version_s"] if first and last else None,
                               "trainer_bytes_ratio": max(rows_bytes)}
+    out["kill"] = next((row["kill"] for row in out["paths"]["relay"].values() if isinstance(row, dict) and "kill" in row), None)
     out["targets_met"] = {path: all(out["paths"][path][k] is not None and out["paths"][path][k] <= limit
                                      for k, limit in targets.items()) for path, targets in TARGETS.items()}
     return out

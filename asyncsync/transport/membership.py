@@ -128,6 +128,7 @@ class Membership:
         # Members that took a version a relay failed to bring to others: out of the repair's epoch,
         # back in the groups when the next version starts (``settle``).
         self.parked: list[EngineClient] = []
+        self._replan = False  # a server was demoted (``demote``): the next version re-plans the trees
         self.buckets = buckets  # about how many buckets a version has: ``fanout: auto`` plans the tree by it
         multi = all(e.protocol.multi_group for e in self.engines)
         self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
@@ -353,8 +354,9 @@ class Membership:
     def settle(self) -> None:
         """At the start of a version: evict the members ``expel`` named (readmitted, as any evicted
         server, once ``readmit_interval_s`` passed and it answers), and take the ``parked`` ones back."""
-        if not self._expelled and not self.parked:
+        if not self._expelled and not self.parked and not self._replan:
             return
+        self._replan = False
         out, self._expelled = self._expelled, {}
         for url, reason in out.items():
             self.evict(url, reason)
@@ -362,6 +364,15 @@ class Membership:
             self._next_probe = time.monotonic() + self.config.readmit_interval_s
         back, self.parked = self.parked, []
         self.form([e for e in self.engines if (e in self.members or e in back) and e.url not in out])
+
+    def demote(self, url: str, reason: str) -> None:
+        """Move a relaying server to the end of every tree (a leaf, holding no one) from the next
+        version's epoch on."""
+        if self.seniority and self.seniority[-1] != url and url in self.seniority:
+            self.seniority = [u for u in self.seniority if u != url] + [url]
+            self._replan = True
+            self.metrics.event("demoted", url, None, reason)
+            log.warning("%s moves to a leaf of the relay: %s", url, reason)
 
     def park(self, repair: list[EngineClient]) -> None:
         """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the

@@ -42,11 +42,14 @@ from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.commands import Done, Version
 from asyncsync.transport.datapath import DataPath, PackFailed, VersionPlan, finish_data_path
 from asyncsync.transport.membership import Membership, within
+from asyncsync.transport.relay import RelayTree
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
 
 SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines inside it
+SLOW_HOP = 4.0  # a relayed server whose hop took this many times the others' median is moved to a leaf
+SLOW_HOP_MIN_S = 0.2  # ... and only when its hop took at least this long (noise on fast versions)
 
 
 def send_version(members: Membership, version: int, plan: BucketPlan, source: BucketSource,
@@ -95,6 +98,9 @@ class VersionSend:
         self.posted: dict[str, concurrent.futures.Future[Any]] = {}
         self.took: list[EngineClient] = []  # the servers whose update succeeded: sent ``end``
         self.repairing = False  # the version is being sent again to the servers a relay failed
+        self.ends_early: frozenset[str] = frozenset()  # servers sent ``end`` as soon as they received it
+        self.received: dict[str, float] = {}  # when each server's update answered yes
+        self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
         self.t_apply = self.start  # when the trainer started waiting for the servers' answers
 
     # -- announce --------------------------------------------------------------------------------
@@ -122,6 +128,10 @@ class VersionSend:
                         self.version, skipped)
             self.engines = [e for e in self.engines if e.url not in skipped]
         self.frames = VersionFrames.of(self.request)  # every bucket's frame header to asyncsync's receivers carries it
+        # With a relay a server's update answers once it verified the whole version (none receives in
+        # the background here), so it is sent ``end`` at once: a slow server below never holds it.
+        self.ends_early = frozenset(e.url for e in self.engines if members.trees and self.adapter is None
+                                    and not e.receives_in_background)
         ranks.from_leader(Version(VersionPlan(self.version, self.deadlines, self.frames, self.delta)))
         return True
 
@@ -131,12 +141,16 @@ class VersionSend:
         broken = self.data_path()
         updated = self.collect_updates(broken)
         ended = self.confirm(updated)
-        return self.evict(updated | ended, broken)
+        survivors = self.evict(updated | ended, broken)
+        for url in slow_hops(self.members.trees, self.received):
+            self.members.demote(url, f"version {self.version} reached it {SLOW_HOP}x slower than the other hops")
+        return survivors
 
     # -- post: begin and update ------------------------------------------------------------------
 
     def post(self) -> None:
         """``begin`` then ``update`` to every server, one future each, so the broadcast can watch them."""
+        self.received, self.ended = {}, {}
         self.posted = {e.url: self.members.control.submit(self._begin_and_update(e)) for e in self.engines}
 
     async def _begin_and_update(self, e: EngineClient) -> None:
@@ -145,6 +159,12 @@ class VersionSend:
             if self.adapter is None:
                 await within(e, e.begin(self.version), self._deadline(e, "begin"), "begin")
                 await within(e, e.update(request), self._deadline(e, "update"), "update")
+                self.received[e.url] = time.perf_counter()
+                if e.url in self.ends_early:  # it serves the version now, not once the slowest received it
+                    try:
+                        self.ended[e.url] = await self._end(e)
+                    except Exception as error:  # ``_end`` aborted it; the version's failure, not the update's
+                        self.ended[e.url] = error
             else:
                 await within(e, e.begin_adapter(self.version), self._deadline(e, "begin"), "begin")
                 update = AdapterUpdate(request, self.adapter.target(e.url, self.version))
@@ -165,7 +185,7 @@ class VersionSend:
 
     def _update_s(self, engines: list[EngineClient]) -> float:
         return max((self._deadline(e, "begin") + self._deadline(e, "update") + self._deadline(e, "abort")
-                    for e in engines), default=0.0)
+                    + (self._deadline(e, "end") if e.url in self.ends_early else 0.0) for e in engines), default=0.0)
 
     # -- data path -------------------------------------------------------------------------------
 
@@ -227,8 +247,10 @@ class VersionSend:
         a same-host server still maps."""
         members, result, version = self.members, self.result, self.version
         self.took = [e for e in self.engines if not isinstance(updated[e.url], BaseException)]
-        ended = _collect({e.url: members.control.submit(self._end(e)) for e in self.took},
-                         max((self._deadline(e, "end") + self._deadline(e, "abort") for e in self.took), default=0.0))
+        later = [e for e in self.took if e.url not in self.ended]
+        ended = _collect({e.url: members.control.submit(self._end(e)) for e in later},
+                         max((self._deadline(e, "end") + self._deadline(e, "abort") for e in later), default=0.0))
+        ended.update({e.url: self.ended[e.url] for e in self.took if e.url in self.ended})
         result.server_versions.update({u: v for u, v in ended.items() if not isinstance(v, BaseException)})
         for e in self.engines:
             if self.adapter is None and result.server_versions.get(e.url) == version:
@@ -314,6 +336,21 @@ class VersionSend:
             took = [e for e in self.took if e.url in result.server_versions]
             self.adapter.offer(took, self.version, self.members.server_versions)
         return result
+
+
+def slow_hops(trees: tuple[RelayTree, ...], received: dict[str, float]) -> list[str]:
+    """The relayed servers that held the servers below them: each server's hop (when its update answered,
+    less when its parent's did) over ``SLOW_HOP`` times the median of the other hops, and longer than
+    ``SLOW_HOP_MIN_S``. A slow root cannot be told from a slow trainer link, and is left where it is."""
+    slow = []
+    for tree in trees:
+        hops = {u: received[u] - received[p] for u in tree.order
+                if (p := tree.parent(u)) is not None and u in received and p in received}
+        for url, hop in hops.items():
+            others = sorted(h for u, h in hops.items() if u != url)
+            if others and tree.below(url) and hop > max(SLOW_HOP * others[len(others) // 2], SLOW_HOP_MIN_S):
+                slow.append(url)
+    return slow
 
 
 def delta_for(members: Membership, plan: BucketPlan, source: BucketSource) -> DeltaVersion | None:

@@ -51,7 +51,49 @@ def tree_of(sync: WeightSync) -> list[str]:
     return [u for m in sync.connection.role.members for t in m.trees for u in t.order]
 
 
+def slow_hop(args: dict[str, Any]) -> None:
+    """urls[1]'s link is a tenth of the others': the first version it holds the chain below it; then it
+    is a leaf, and the servers it held serve the next version without waiting for it."""
+    urls, out = args["urls"], Path(args["dir"])
+    for url in urls:
+        wait_healthy(url, 300, f"the server at {url}")
+    model = build_model(ModelConfig.from_dict(args["model"]))
+    cfg = {"servers": urls, "transport": "collective", "fanout": 1, "master_addr": args["master_addr"],
+           "bucket_bytes": "2MiB", "deadlines": {"broadcast_floor_s": 30.0}}
+    seen: dict[str, Any] = {}
+    with WeightSync(WeightSyncConfig.from_dict(cfg)) as sync:
+        sync.connect(model)
+        seen["tree"] = tree_of(sync)
+        for v in (1, 2):
+            step(model, v)
+            fast = [u for u in urls if u != urls[1]]
+            reached: dict[str, float] = {}
+            t0 = time.perf_counter()
+            watch = threading.Thread(target=watch_versions, args=(fast, v, t0, reached))
+            watch.start()
+            result = sync.publish(model, v)
+            seen[f"v{v}"] = {"s": time.perf_counter() - t0, "servers": result.server_versions, "failures": result.failures,
+                             "fast_s": max(reached.values()) if len(reached) == len(fast) else None}
+            watch.join()
+            seen[f"v{v}"]["fast_s"] = max(reached.values()) if len(reached) == len(fast) else None
+            seen[f"v{v}"]["served"] = served(urls, model)
+        seen["tree_after"] = tree_of(sync)
+        seen["events"] = [(e.kind, e.server) for e in sync.metrics.events]
+    (out / "seen.json").write_text(json.dumps(seen))
+
+
+def watch_versions(urls: list[str], version: int, t0: float, reached: dict[str, float]) -> None:
+    """When each of ``urls`` first serves ``version`` (seconds after ``t0``), polled for a minute at most."""
+    while len(reached) < len(urls) and time.perf_counter() - t0 < 60:
+        for url in urls:
+            if url not in reached and http_call(url, "GET", "/version", timeout_s=10)[1]["version"] >= version:
+                reached[url] = time.perf_counter() - t0
+        time.sleep(0.02)
+
+
 def main(args: dict[str, Any]) -> None:
+    if args.get("scenario") == "slow":
+        return slow_hop(args)
     urls, out = args["urls"], Path(args["dir"])
     for url in urls:
         wait_healthy(url, 300, f"the server at {url}")

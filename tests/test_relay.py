@@ -172,3 +172,43 @@ def wait_for(ready: Callable[[], bool], timeout_s: float) -> None:
     while not ready():
         assert time.monotonic() < give_up, "timed out"
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_slow_hop_moves_to_a_leaf_and_holds_no_other_server(tmp_path):
+    """s1's link is a tenth of the others': the first version it holds the servers below it; from the
+    next one on it is the chain's leaf, and the others serve each version without waiting for it."""
+    why = cluster.unavailable()
+    if why is not None:
+        pytest.skip(f"a slow link needs an emulated cluster: {why}")
+    model_yaml = tmp_path / "model.yaml"
+    model_yaml.write_text(yaml.safe_dump({"model": MODEL}))
+    links = {"trainer": LINK, **{f"s{i}": LINK for i in range(SERVERS)}, "s1": Link(gbit=LINK.gbit / 10)}
+    with Cluster(links) as made:
+        hosts = Hosts(made)
+        names = [f"s{i}" for i in range(SERVERS)]
+        urls = [hosts.url(h) for h in names]
+        procs = [hosts.popen(h, [sys.executable, "-m", "asyncsync.cli", "--log-level", "WARNING", "serve", "--host",
+                                 hosts.address(h), "--port", str(hosts.ports[h]), "--model-config", str(model_yaml)])
+                 for h in names]
+        try:
+            args = {"scenario": "slow", "urls": urls, "master_addr": hosts.address("trainer"), "model": MODEL,
+                    "dir": str(tmp_path)}
+            trainer = hosts.popen("trainer", [sys.executable, str(HERE / "relay_trainer.py"), json.dumps(args)])
+            procs.append(trainer)
+            assert trainer.wait(600) == 0
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    first, second = seen["v1"], seen["v2"]
+    print(f"slow hop: version 1 {first['s']:.2f} s (the others served it at {first['fast_s']:.2f} s); "
+          f"version 2 {second['s']:.2f} s (the others at {second['fast_s']:.2f} s); tree after {seen['tree_after']}")
+    assert seen["tree"] == urls
+    for row in (first, second):  # every server, the slow one too, serves the trainer's bytes
+        assert row["failures"] == {} and all(a["same"] for a in row["served"].values())
+    assert ["demoted", urls[1]] in seen["events"]
+    assert seen["tree_after"] == [urls[0], urls[2], urls[3], urls[1]], "the slow server is the chain's leaf"
+    assert first["fast_s"] > 0.5 * first["s"], "the first version, the slow hop held the servers below it"
+    assert second["fast_s"] < 0.4 * second["s"], "then the others serve a version long before the slow leaf"

@@ -31,6 +31,7 @@ import torch
 from asyncsync.protocol.wire import PROTOCOL_VERSION, UpdateRequest
 
 HEADER_WORDS = 8
+LOST = -1  # a frame index no payload has: a relaying server lost the version (``protocol.relay``)
 MAGIC = 0x6173796E63_6672  # "asyncfr": a header that does not start with it is no header of ours
 
 
@@ -88,6 +89,11 @@ class VersionFrames:
         """The header of frame ``index``, whose length is taken from ``payload`` itself (the sender's side)."""
         return FrameHeader(self.plan, self.version, index, payload.numel() * payload.element_size())
 
+    def lost(self) -> FrameHeader:
+        """What a relaying server sends instead of the next frame once it lost the version: the server
+        below refuses it at once (gloo fails its receive only at the deadline while the group lives)."""
+        return FrameHeader(self.plan, self.version, LOST, 0)
+
     def mismatch(self, got: FrameHeader | None, index: int, nbytes: int) -> str | None:
         """What is wrong with the header received for frame ``index``, announced as ``nbytes`` long,
         or None when its payload may be received (the receiver's side)."""
@@ -98,6 +104,9 @@ class VersionFrames:
         if got.plan != self.plan:
             return (f"frame {index} belongs to another plan than the one announced (hash {got.plan:#x}, announced "
                     f"{self.plan:#x}): the trainer broadcasts a layout its update request does not describe")
+        if got.index == LOST and got.version == self.version:
+            return (f"the server above this one lost version {self.version} before frame {index}: the trainer sends it "
+                    "again")
         if got.version != self.version or got.index != index:
             return f"frame {index} of version {self.version} arrived as frame {got.index} of version {got.version}"
         if got.nbytes != nbytes:

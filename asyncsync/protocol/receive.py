@@ -7,7 +7,7 @@ the announcement before the payload's receive is posted (a member that would sen
 announced is refused, not aborted on), then the payload itself, while the payload before it is
 checksummed, rebuilt from its delta or copied out of the device ring, and forwarded to the
 servers below this one where it relays (``protocol.relay``). What is left after the last byte is one
-bucket's work (and the forwards still on their way down). Each wait returns only once its data has arrived (the group's waits block
+bucket's work; the forwards go on down (the caller waits for them before the buffers are reused). Each wait returns only once its data has arrived (the group's waits block
 the host), so nothing is judged before the bytes are really in the buffers.
 """
 
@@ -64,7 +64,7 @@ class FramedReceive:
             self.payloads.append(torch.zeros(len(buffers), dtype=torch.int64, device=device))
         self.crcs: list[Crc] = []
         # A ring's slot is received into again two payloads later: its forward is waited at once.
-        self.forward = Forward(relay, VersionFrames.of(req), runtime, in_flight=0 if ring is not None else 1)
+        self.forward = Forward(relay, VersionFrames.of(req), runtime, in_flight=0 if ring is not None else None)
 
     def run(self) -> None:
         req, payloads = self.req, self.payloads
@@ -91,7 +91,6 @@ class FramedReceive:
         if self.ring is not None:  # the last bucket too: the manifest is not one
             self._landed(len(self.crcs))
             self.runtime.host_wait(self.runtime.record())  # the arena holds every byte before it is read
-        self.forward.finish()
         if req.checksum:
             manifest = payloads[len(self.buffers)].tolist()
             bad = [i for i, (got, want) in enumerate(zip(self.crcs, manifest)) if got is not None and int(got) != want]

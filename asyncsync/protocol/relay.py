@@ -16,7 +16,9 @@ never fails the version of the server above: the trainer hears of the loss from 
     forward = Forward(edges, frames, runtime)
     for each payload i, once it landed:
         forward.send(i, payload, deadline_s)
-    forward.finish()          # every forward done or failed (a failed edge is closed and dropped)
+    ...                       # the server verifies and answers for its own copy meanwhile
+    forward.finish()          # before the buffers are received into again: every forward done or
+                              # failed (a failed edge is closed and dropped)
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, Work
 
 log = logging.getLogger(__name__)
 
+LOST_S = 5.0  # how long a failing server waits for the servers below to take the news (and what was before it)
+
 
 class Forward:
     """Forwards one version's payloads into ``edges`` (this server is rank 0 of each).
 
-    ``in_flight``: how many payloads may still be on their way down when the next one is sent (1: a
-    payload goes down while the next arrives; 0 where the payload's buffer is reused at once, a
-    device ring's slot). The payloads' buffers must stay untouched until ``finish`` returns."""
+    ``in_flight``: how many payloads may still be on their way down when the next one is sent (None:
+    all of them, so a slow server below never holds this one's receive; 0 where the payload's buffer
+    is reused at once, a device ring's slot). The payloads' buffers must stay untouched until
+    ``finish`` returns."""
 
-    def __init__(self, edges: Sequence[DataPlaneGroup], frames: VersionFrames, runtime: Runtime, in_flight: int = 1):
+    def __init__(self, edges: Sequence[DataPlaneGroup], frames: VersionFrames, runtime: Runtime,
+                 in_flight: int | None = None):
         self.edges = list(edges)
         self.frames, self.runtime, self.in_flight = frames, runtime, in_flight
         self._pending: list[list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]] = []
@@ -59,7 +65,7 @@ class Forward:
             except DataPlaneError as e:
                 self._drop(edge, e)
         self._pending.append(sent)
-        while len(self._pending) > self.in_flight:
+        while self.in_flight is not None and len(self._pending) > self.in_flight:
             self._settle(self._pending.pop(0))
 
     def finish(self) -> None:
@@ -67,12 +73,20 @@ class Forward:
         while self._pending:
             self._settle(self._pending.pop(0))
 
-    def abandon(self) -> None:
-        """This server's own receive failed: every edge is closed and every forward in flight let go.
-        gloo closes a group's connections only once nothing references it (an abort leaves them
-        open), and only then does the receive of a server below fail, at once instead of at its
-        deadline: so nothing of the edges may outlive this call."""
+    def abandon(self, lost: bool) -> None:
+        """Close every edge and let go of every forward in flight. ``lost``: this server's receive
+        failed, so each server below is first sent a frame header that says so
+        (``VersionFrames.lost``), after the forwards already in flight: it refuses the version at
+        once and does the same below it. (A gloo receive fails at once when its peer dies, but not
+        when the peer only aborts its group, whose connections stay open while anything holds it:
+        without that header the servers below would wait out their deadlines.)"""
+        header = self.runtime.upload(self.frames.lost().tensor()) if lost else None
         for edge in self.edges:
+            if header is not None:
+                try:
+                    edge.wait(edge.broadcast_async(header, LOST_S))
+                except DataPlaneError as e:  # that server is gone already
+                    log.debug("relay edge %s: %s", edge.spec.group_name, e)
             edge.close(broken=True)
         self.edges, self._pending = [], []
 

@@ -29,6 +29,7 @@ from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.relay import Forward
 from asyncsync.protocol.receive import FramedReceive, Unframed
 from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
 from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
@@ -116,6 +117,7 @@ class BucketStager:
         self.stage_in(arenas)
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
         self.relays: list[DataPlaneGroup] = []  # the edges to the servers below this one (fanout), while up
+        self._forwarding: Forward | None = None  # the last version's forwards, still going down
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
         self._live_segment: str | None = None  # the shared-memory segment the live weights map, if any
@@ -188,6 +190,7 @@ class BucketStager:
         if req.shm is not None:
             return self.adopt(req, served_version, carrying)
         self._require_group()
+        self._forwarded()  # the last version's forwards read the buffers this one may be received into
         self.discard()
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
         self._refuse_unreceivable(req, buckets, carrying)
@@ -204,13 +207,12 @@ class BucketStager:
             failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
         else:
             failed = None
-        self.relays = receive.forward.edges  # an edge that failed is closed: the trainer re-forms the epoch
+        self._forwarding = receive.forward
         if failed is not None:
             # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
             # fails at once; after a failed one the group's collectives are out of step. Raised as text,
             # out of the handler: an exception chained to the failure would keep its works, and with
-            # them the group's sockets, alive. The servers below (a relay) fail theirs at once.
-            receive.forward.abandon()
+            # them the group's sockets, alive. The servers below (a relay) are told the version is lost.
             del receive
             self.close(broken=True)
             problem, data_plane = failed
@@ -371,9 +373,19 @@ class BucketStager:
         self._committed = staged
         self._live_segment, self._live, self._live_arena = None, None, None
 
+    def _forwarded(self) -> None:
+        """Until the last version's forwards to the servers below are done (``protocol.relay``); an
+        edge that failed is left out from now on (the trainer re-forms the epoch)."""
+        if self._forwarding is not None:  # kept: a failure before the next version's frames tells the servers below
+            self._forwarding.finish()
+            self.relays = self._forwarding.edges
+
     def close(self, broken: bool = False) -> None:
         """Leave the groups and the relay edges (aborting them when ``broken``: a receive of them may
         still be pending; the servers below then fail theirs at once)."""
+        if self._forwarding is not None:  # after a failure the servers below are told the version is lost
+            self._forwarding.abandon(lost=broken)
+            self._forwarding = None
         groups, self.groups, relays, self.relays = self.groups, [], self.relays, []
         for group in [*groups, *relays]:
             group.close(broken)

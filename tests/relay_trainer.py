@@ -48,7 +48,7 @@ def step(model: torch.nn.Module, version: int) -> None:
 
 
 def tree_of(sync: WeightSync) -> list[str]:
-    return [u for m in sync.connection.role.members for t in m.trees for u in t.order]
+    return [u for m in sync.connection.role.members for t in m.relay.trees for u in t.order]
 
 
 def slow_hop(args: dict[str, Any]) -> None:

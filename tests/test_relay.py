@@ -23,10 +23,15 @@ import yaml
 from asyncsync import cluster
 from asyncsync.cluster import Cluster
 from asyncsync.config import ConfigError, WeightSyncConfig
+from asyncsync.engines import make_engine
 from asyncsync.netns import Link
+from asyncsync.protocol.device import HostRuntime
+from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import free_port
-from asyncsync.protocol.wire import GroupSpec, InitGroupRequest, WireError
+from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest, WireError
 from asyncsync.transport.relay import RelayTree
+from asyncsync.transport.send import slow_hops
+from asyncsync.transport.topology import GroupLayout
 
 HERE = Path(__file__).parent
 # Qwen2 in float32, 27 MB: 14 buckets of 2 MiB, a version ~0.4 s per hop at the links' 0.5 gbit/s.
@@ -78,6 +83,40 @@ def test_fanout_is_checked_at_load():
             WeightSyncConfig.from_dict({"fanout": bad})
     with pytest.raises(ConfigError, match="group_per_server"):
         WeightSyncConfig.from_dict({"fanout": 1, "group_per_server": True, "async_weight_update": True})
+
+
+def test_the_trainers_group_holds_the_root_and_the_servers_that_cannot_relay():
+    cfg = WeightSyncConfig.from_dict({"fanout": 1, "servers": [
+        "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000",
+        {"url": "http://10.0.0.4:30000", "kind": "sglang"}, "http://10.0.0.5:8000"]})
+    engines = [make_engine(s, 1.0) for s in cfg.servers]
+    sizes = {e.url: 1 for e in engines} | {"http://10.0.0.5:8000": 2}  # an engine of two data-plane ranks
+    layout = GroupLayout.of(cfg, engines, sizes, HostRuntime())
+    (tree,) = layout.trees
+    assert tree.order == ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
+    assert [(p.name, specs[0].world_size) for p, specs in layout.groups] == [("asyncsync", 1 + 1 + 2), ("sglang", 2)]
+    root, second, third, sglang, wide = (layout.membership(e) for e in engines)
+    assert root[1] == 1 and wide[1] == 2 and root[2] == (second[0][0],) and second[2] == (third[0][0],)
+    assert third[2] == () and sglang[2] == () and wide[2] == ()  # a leaf, SGLang and a wide engine relay nothing
+    assert all(spec.world_size == 2 and spec.host == cfg.master_addr for spec in layout.edges)
+    back = GroupLayout.of(cfg, engines, sizes, HostRuntime(), seniority=["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    assert back.trees[0].order[-1] == "http://10.0.0.1:8000", "a server that came back is a leaf"
+
+
+def test_a_hop_far_slower_than_the_others_is_found_but_not_a_slow_leaf_or_root():
+    chain = (RelayTree.plan(["a", "b", "c", "d", "e"], 1),)
+    assert slow_hops(chain, {"a": 1.0, "b": 1.05, "c": 1.1, "d": 1.15, "e": 1.2}) == {}
+    found = slow_hops(chain, {"a": 1.0, "b": 5.0, "c": 5.05, "d": 5.1, "e": 5.15})
+    assert list(found) == ["b"] and found["b"] > 50
+    assert slow_hops(chain, {"a": 1.0, "b": 1.05, "c": 1.1, "d": 1.15, "e": 9.0}) == {}  # a leaf holds no one
+    assert slow_hops(chain, {"a": 9.0, "b": 9.05, "c": 9.1, "d": 9.15, "e": 9.2}) == {}  # nor is the root judged
+
+
+def test_a_lost_frame_is_refused_with_what_happened():
+    request = UpdateRequest(3, (BucketMeta(("w",), ("float32",), ((4,),), 16),), checksum=True)
+    frames = VersionFrames.of(request)
+    why = frames.mismatch(FrameHeader.parse(frames.lost().tensor()), 1, 16)
+    assert why is not None and "lost version 3" in why
 
 
 # -- end to end -------------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ from asyncsync.launch.vllm import VllmServer
 from asyncsync.testing import RogueTrainer, http_call
 from asyncsync.transport.sources import BucketSource
 
-from helpers import HoldAt, Trainer
+from asyncsync.launch.reference import ServerProcess
+
+from helpers import HoldAt, Trainer, digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -266,6 +268,36 @@ def test_vllm_on_the_trainers_host_maps_each_version_from_shared_memory(vllm_ser
             assert glob.glob(segments), "the version went through the trainer's shared memory"
             assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
     assert not glob.glob(segments), "close() removes the trainer's segments"
+
+
+def test_vllm_relays_each_version_to_the_server_below_it(vllm_server):
+    """``fanout: 1`` with vLLM first in the chain: the trainer sends each version to vLLM only, vLLM's
+    receiving worker forwards every bucket to a reference server as it lands, and both serve the
+    trainer's version: vLLM decodes as the trainer does, the reference server holds its bytes."""
+    server, model_cfg = vllm_server
+    url = server.url
+    trainer = build_model(model_cfg)
+    served = weight_version(url)
+    first = int(served) + 1 if served.isdigit() else 1
+    g = torch.Generator().manual_seed(11)
+    with ServerProcess(build_model, (model_cfg,)) as below:
+        cfg = {"servers": [{"url": url, "kind": "vllm"}, below.url], "bucket_bytes": "1MiB", "fanout": 1,
+               "transport": "collective"}
+        with WeightSync.from_config(cfg) as sync:
+            sync.connect(trainer)
+            (tree,) = sync.connection.role.members[0].relay.trees
+            assert tree.order == (url, below.url), "vLLM is the trainer's one receiver and relays"
+            for version in (first, first + 1):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.5)
+                result = sync.publish(trainer, version)
+                assert result.server_versions == {url: version, below.url: version}, result.failures
+                assert greedy(url) == (generate(trainer, PROMPT, 16)[0], version)
+                want = digest(trainer)
+                got = below.get("/weights/digest")
+                common = got["digest"].keys() & want.keys()
+                assert got["version"] == version and common and all(got["digest"][n] == want[n] for n in common)
 
 
 def test_vllm_rebuilds_deltas_against_the_version_it_loaded_and_refuses_a_corrupted_one(vllm_server, monkeypatch):

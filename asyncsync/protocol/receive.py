@@ -40,8 +40,8 @@ class FramedReceive:
 
     ``base``: the committed version's buffers a delta bucket is rebuilt from (None: none usable; a
     delta then only adds a problem). ``ring``: device buffers a bucket lands in before it is copied
-    to a host arena (NCCL into host staging). ``relay``: the edges to the servers below this one, each
-    payload forwarded into them once it landed (``protocol.relay``; what failed is in ``self.forward``).
+    to a host arena (NCCL into host staging). ``forward``: where each payload goes once it landed, to
+    the servers below this one (``protocol.relay``; made with ``in_flight=0`` where there is a ring).
 
     Contract: ``run`` returns once every payload is in place, or raises ``Unframed`` or
     ``DataPlaneError``: the caller must then leave the groups (their collectives are out of step).
@@ -49,7 +49,7 @@ class FramedReceive:
 
     def __init__(self, req: UpdateRequest, groups: Sequence[DataPlaneGroup], runtime: Runtime,
                  ring: DeviceRing | None, buffers: Sequence[torch.Tensor], buckets: tuple[Bucket, ...],
-                 base: Sequence[torch.Tensor] | None, problems: list[str], relay: Sequence[DataPlaneGroup] = ()):
+                 base: Sequence[torch.Tensor] | None, problems: list[str], forward: Forward | None = None):
         self.req, self.groups, self.runtime, self.ring = req, groups, runtime, ring
         self.buffers, self.buckets, self.base, self.problems = buffers, buckets, base, problems
         device = groups[0].device
@@ -63,8 +63,7 @@ class FramedReceive:
         if req.checksum:
             self.payloads.append(torch.zeros(len(buffers), dtype=torch.int64, device=device))
         self.crcs: list[Crc] = []
-        # A ring's slot is received into again two payloads later: its forward is waited at once.
-        self.forward = Forward(relay, VersionFrames.of(req), runtime, in_flight=0 if ring is not None else None)
+        self.forward = forward or Forward((), VersionFrames.of(req), runtime)
 
     def run(self) -> None:
         req, payloads = self.req, self.payloads

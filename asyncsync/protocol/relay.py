@@ -13,12 +13,14 @@ server below it. An edge that fails (the server below died, or missed a deadline
 never fails the version of the server above: the trainer hears of the loss from the servers below
 (no answer, or a failed update) and sends them the version again (``transport.send``).
 
-    forward = Forward(edges, frames, runtime)
+    edges = Edges(); edges.join(specs, runtime)      # at init_group, as rank 0 of each edge
+    forward = edges.forward(frames, runtime)        # per version, once the last one's are done
     for each payload i, once it landed:
         forward.send(i, payload, deadline_s)
     ...                       # the server verifies and answers for its own copy meanwhile
-    forward.finish()          # before the buffers are received into again: every forward done or
+    edges.settle()            # before the buffers are received into again: every forward done or
                               # failed (a failed edge is closed and dropped)
+    edges.close(broken)       # leaving the epoch; after a failure the servers below hear it is lost
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import VersionFrames
-from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, Work
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
+from asyncsync.protocol.wire import GroupSpec
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +111,39 @@ class Forward:
         self.dropped.append(f"{edge.spec.group_name}: {error}")
         log.warning("relay edge %s dropped: %s (the trainer sends the servers below it the version again)",
                     edge.spec.group_name, error)
+
+
+class Edges:
+    """A relaying receiver's edges to the servers below it, across the versions of one epoch: each
+    version's ``Forward`` goes over the edges still up, and is waited for before the next one."""
+
+    def __init__(self) -> None:
+        self.groups: list[DataPlaneGroup] = []
+        self._last: Forward | None = None  # kept once done: a failure before the next version's frames uses it
+
+    def join(self, specs: Sequence[GroupSpec], runtime: Runtime, warmup: bool = True,
+             abandoner: Abandoner | None = None) -> None:
+        """Join each edge as its rank 0; the trainer runs their rendezvous stores."""
+        for spec in specs:
+            self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+
+    def forward(self, frames: VersionFrames, runtime: Runtime, in_flight: int | None = None) -> Forward:
+        """The next version's forwarding (call ``settle`` first)."""
+        self._last = Forward(self.groups, frames, runtime, in_flight)
+        return self._last
+
+    def settle(self) -> None:
+        """Until the last version's forwards are done; an edge that failed is left out from now on
+        (the trainer re-forms the epoch)."""
+        if self._last is not None:
+            self._last.finish()
+            self.groups = self._last.edges
+
+    def close(self, broken: bool = False) -> None:
+        """Leave every edge; ``broken``: this server lost a version, which the servers below are told."""
+        if self._last is not None:
+            self._last.abandon(lost=broken)
+            self._last = None
+        groups, self.groups = self.groups, []
+        for group in groups:
+            group.close(broken)

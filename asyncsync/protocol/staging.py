@@ -29,7 +29,8 @@ from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
-from asyncsync.protocol.relay import Forward
+from asyncsync.protocol.frames import VersionFrames
+from asyncsync.protocol.relay import Edges
 from asyncsync.protocol.receive import FramedReceive, Unframed
 from asyncsync.protocol.shm import HostIdentity, ShmUnavailable, map_segment
 from asyncsync.protocol.specs import Bucket, TensorSpec, unpack
@@ -116,8 +117,7 @@ class BucketStager:
         self._live_arena: Arena | None = None  # the arena the live weights alias (two-arena staging)
         self.stage_in(arenas)
         self.groups: list[DataPlaneGroup] = []  # group i is trainer rank i's (a sharded trainer's owners)
-        self.relays: list[DataPlaneGroup] = []  # the edges to the servers below this one (fanout), while up
-        self._forwarding: Forward | None = None  # the last version's forwards, still going down
+        self.relay = Edges()  # the edges to the servers below this one (fanout)
         self._sets: list[_FlatSet] = []
         self._live: _FlatSet | None = None
         self._live_segment: str | None = None  # the shared-memory segment the live weights map, if any
@@ -143,21 +143,15 @@ class BucketStager:
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True,
              relay: Sequence[GroupSpec] = ()) -> None:
         """Join the trainer's group (a sharded trainer's: one per owning trainer rank, in order) as
-        ``rank``, then, as their rank 0, the ``relay`` edges to the servers below this one, which every
-        version received is forwarded into (``protocol.relay``); ``WireError`` (before any rendezvous)
-        when a group's backend is not the one this receiver's weights take."""
+        ``rank``, then the ``relay`` edges below (``protocol.relay``); ``WireError`` (before any
+        rendezvous) when a group's backend is not the one this receiver's weights take."""
         specs = (specs,) if isinstance(specs, GroupSpec) else tuple(specs)
-        for spec in (*specs, *relay):
-            if spec.backend != self.runtime.wire_backend:
-                raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
-                                f"{self.runtime.device}, which take {self.runtime.wire_backend}: use backend: auto on "
-                                "the trainer, or serve the model on the trainer's kind of device")
+        _check_backends((*specs, *relay), self.runtime)
         self.close()
         try:
             for spec in specs:
                 self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup, self.abandoner))
-            for spec in relay:  # the trainer runs these groups' stores
-                self.relays.append(DataPlaneGroup.join(spec, 0, self.runtime, warmup, self.abandoner, hosts_store=False))
+            self.relay.join(relay, self.runtime, warmup, self.abandoner)
         except BaseException:
             self.close()
             raise
@@ -190,7 +184,7 @@ class BucketStager:
         if req.shm is not None:
             return self.adopt(req, served_version, carrying)
         self._require_group()
-        self._forwarded()  # the last version's forwards read the buffers this one may be received into
+        self.relay.settle()  # the last version's forwards read the buffers this one may be received into
         self.discard()
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
         self._refuse_unreceivable(req, buckets, carrying)
@@ -200,19 +194,19 @@ class BucketStager:
         problems += unusable
         target = self._set_for(req.buckets)
         receive = FramedReceive(req, self.groups, self.runtime, self._ring, target.buffers, buckets,
-                                None if unusable or base is None else base.buffers, problems, self.relays)
+                                None if unusable or base is None else base.buffers, problems,
+                                self.relay.forward(VersionFrames.of(req), self.runtime, 0 if self._ring else None))
         try:
             receive.run()
         except (Unframed, DataPlaneError) as e:
             failed: tuple[str, bool] | None = (str(e), isinstance(e, DataPlaneError))
         else:
             failed = None
-        self._forwarding = receive.forward
         if failed is not None:
             # Leave the group: a refused frame's payload was never posted, so the sender's broadcast
             # fails at once; after a failed one the group's collectives are out of step. Raised as text,
             # out of the handler: an exception chained to the failure would keep its works, and with
-            # them the group's sockets, alive. The servers below (a relay) are told the version is lost.
+            # them the group's sockets, alive.
             del receive
             self.close(broken=True)
             problem, data_plane = failed
@@ -373,22 +367,22 @@ class BucketStager:
         self._committed = staged
         self._live_segment, self._live, self._live_arena = None, None, None
 
-    def _forwarded(self) -> None:
-        """Until the last version's forwards to the servers below are done (``protocol.relay``); an
-        edge that failed is left out from now on (the trainer re-forms the epoch)."""
-        if self._forwarding is not None:  # kept: a failure before the next version's frames tells the servers below
-            self._forwarding.finish()
-            self.relays = self._forwarding.edges
-
     def close(self, broken: bool = False) -> None:
         """Leave the groups and the relay edges (aborting them when ``broken``: a receive of them may
         still be pending; the servers below then fail theirs at once)."""
-        if self._forwarding is not None:  # after a failure the servers below are told the version is lost
-            self._forwarding.abandon(lost=broken)
-            self._forwarding = None
-        groups, self.groups, relays, self.relays = self.groups, [], self.relays, []
-        for group in [*groups, *relays]:
+        self.relay.close(broken)  # after a failure the servers below are told the version is lost
+        groups, self.groups = self.groups, []
+        for group in groups:
             group.close(broken)
+
+
+def _check_backends(specs: Sequence[GroupSpec], runtime: Runtime) -> None:
+    """``WireError`` when a group's backend is not the one weights on ``runtime``'s device take."""
+    for spec in specs:
+        if spec.backend != runtime.wire_backend:
+            raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
+                            f"{runtime.device}, which take {runtime.wire_backend}: use backend: auto on "
+                            "the trainer, or serve the model on the trainer's kind of device")
 
 
 def _check_base(req: UpdateRequest, base: StagedVersion | None) -> list[str]:

@@ -50,7 +50,7 @@ from asyncsync.ranks import TrainerRanks
 from asyncsync.control import ControlLoop, ServerError
 from asyncsync.transport.commands import Epoch, Formed
 from asyncsync.transport.pace import BroadcastPace
-from asyncsync.transport.relay import RelayTree
+from asyncsync.transport.relay import Relays
 from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
@@ -113,10 +113,7 @@ class Membership:
         # refuse every version of this plan, so no later version can reach them either.
         self.refusing: dict[str, str] = {}
         self.group: TrainerGroups | None = None
-        self.trees: tuple[RelayTree, ...] = ()  # the current epoch's relay trees (``fanout``)
-        # The relay trees' servers, oldest member first: every tree keeps their order, and a server
-        # that was evicted leaves it, so that it comes back as a leaf.
-        self.seniority: list[str] = []
+        self.relay = Relays()  # the current epoch's relay trees (``fanout``) and the servers' order in them
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
         self.epoch = 0
         self.conflicts: dict[str, str] = {}  # in the last epoch formed: servers another trainer session owns
@@ -128,7 +125,6 @@ class Membership:
         # Members that took a version a relay failed to bring to others: out of the repair's epoch,
         # back in the groups when the next version starts (``settle``).
         self.parked: list[EngineClient] = []
-        self._replan = False  # a server was demoted (``demote``): the next version re-plans the trees
         self.buckets = buckets  # about how many buckets a version has: ``fanout: auto`` plans the tree by it
         multi = all(e.protocol.multi_group for e in self.engines)
         self.sources = self.ranks.world if spread and multi else 1  # trainer ranks that send buckets
@@ -186,10 +182,6 @@ class Membership:
         member must rebuild deltas and receive over the data plane (none on shared memory)."""
         return not self.shared and bool(self.members) and all(e.protocol.deltas for e in self.members)
 
-    def relayed(self) -> set[str]:
-        """The members that get versions from another server (``fanout``), not from the trainer."""
-        return {u for tree in self.trees for u in tree.order if u != tree.root}
-
     def reachable(self) -> bool:
         """Whether a later version can still reach a server: some member does not refuse this plan."""
         return any(e.url not in self.refusing for e in self.members)
@@ -220,7 +212,7 @@ class Membership:
             self.epoch += 1
             wired = [e for e in alive if e.url not in self.shared]
             if not wired:  # every server maps versions from shared memory: no data-plane group (a single
-                # trainer process: no follower rank waits for an epoch, ``_same_host``)
+                # trainer process: no follower rank waits for an epoch, ``same_host``)
                 self.members = alive
                 log.info("epoch %d: %d server(s) on shared memory, no data-plane group", self.epoch, len(alive))
                 break
@@ -228,7 +220,8 @@ class Membership:
             # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
             epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{token}.{self.epoch}",
                                     master_port=cfg.master_port if self.epoch == 1 else 0)
-            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources, self.buckets, self.seniority)
+            layout = GroupLayout.of(epoch_cfg, wired, sizes, self.runtime, self.sources, self.buckets,
+                                    self.relay.seniority)
             self.ranks.from_leader(Epoch([layout.specs_for(r) for r in range(self.ranks.world)]))  # followers join theirs
             joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
             try:
@@ -246,8 +239,7 @@ class Membership:
                 log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", self.epoch,
                          [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
                          "".join(f"; relay {t.describe()}" for t in layout.trees))
-                self.trees = layout.trees
-                self.seniority += [u for t in layout.trees for u in t.order if u not in self.seniority]
+                self.relay.formed(layout.trees)
                 break
             if group is not None:
                 group.close(broken=True)
@@ -276,7 +268,7 @@ class Membership:
         if refuse_unsupported and unsupported:
             raise unsupported[0]
         alive = self._drop_unreachable(candidates, sizes)
-        self.shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
+        self.shared = same_host(self, alive, refuse_unsupported)  # before any claim: it may refuse the config
         if self.config.transport == "shm":
             alive = [e for e in alive if e.url in self.shared]  # the others were evicted: not on this host
         claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
@@ -288,42 +280,6 @@ class Membership:
         versions = self.call_all(self.members, lambda e: e.version() if name is None else newest(e, name), "version")
         self.server_versions.update({u: v for u, v in versions.items() if not isinstance(v, BaseException)})
 
-    def _same_host(self, engines: list[EngineClient], refuse: bool) -> set[str]:
-        """The servers that get versions through shared memory (``transport``; docs in configs/default.yaml):
-        those on this host, for a single trainer process with weights in host memory. With
-        ``transport: shm`` a server known to be elsewhere raises ``UnsupportedServer`` (``refuse``, at
-        connect) or is evicted."""
-        cfg = self.config
-        if cfg.transport == "collective" or self.runtime.kind != "host" or self.ranks.world > 1 or not engines:
-            if cfg.transport == "shm" and engines:
-                raise UnsupportedServer(engines[0].url, "transport: shm needs weights in host memory and one trainer "
-                                                        "process; use transport: auto or collective")
-            return set()
-        here = HostIdentity.here()
-        for e in engines if cfg.transport == "shm" else ():
-            if not e.protocol.shared_memory:  # SGLang: its update_weights_from_tensor path is not done
-                error = UnsupportedServer(e.url, f"a {e.kind} server cannot receive through shared memory; use "
-                                                 "transport: auto (it then gets the collective) or collective")
-                if refuse:
-                    raise error
-                self.evict(e.url, str(error))
-        engines = [e for e in engines if e.protocol.shared_memory]
-        hosts = self.call_all(engines, lambda e: e.host_identity(), "host")
-        shared = set()
-        for e in engines:
-            host = hosts[e.url]
-            if isinstance(host, BaseException):
-                host = None  # it is evicted by the next call it fails
-            if here is not None and host == here or (cfg.transport == "shm" and host is None):
-                shared.add(e.url)
-            elif cfg.transport == "shm":
-                error = UnsupportedServer(e.url, f"is not on this host (it sees {host}, the trainer {here}), but the "
-                                                 "config says transport: shm; use transport: auto")
-                if refuse:
-                    raise error
-                self.evict(e.url, str(error))
-        return shared
-
     def rebuild(self, lost: Iterable[str] = ()) -> None:
         """A new epoch over the members not in ``lost`` (after a failed collective or an eviction)."""
         gone = set(lost)
@@ -331,14 +287,14 @@ class Membership:
 
     def drop_group(self, broken: bool = False) -> None:
         """Abandon the current epoch's groups; ``broken`` after a failed collective (they are aborted)."""
-        self.trees = ()
+        self.relay.trees = ()
         if self.group is not None:
             self.group.close(broken)
             self.group = None
 
     def evict(self, url: str, reason: str) -> None:
         self.baselines.pop(url, None)  # it may come back restarted: the next version it gets is whole
-        self.seniority = [u for u in self.seniority if u != url]
+        self.relay.evicted(url)  # back, it is a leaf
         if self.pool is not None:
             self.pool.evicted(url)  # it loses its lease: what it maps is retired, never rewritten
         if url not in self.evicted:
@@ -354,9 +310,9 @@ class Membership:
     def settle(self) -> None:
         """At the start of a version: evict the members ``expel`` named (readmitted, as any evicted
         server, once ``readmit_interval_s`` passed and it answers), and take the ``parked`` ones back."""
-        if not self._expelled and not self.parked and not self._replan:
+        if not self._expelled and not self.parked and not self.relay.replan:
             return
-        self._replan = False
+        self.relay.replan = False
         out, self._expelled = self._expelled, {}
         for url, reason in out.items():
             self.evict(url, reason)
@@ -364,15 +320,6 @@ class Membership:
             self._next_probe = time.monotonic() + self.config.readmit_interval_s
         back, self.parked = self.parked, []
         self.form([e for e in self.engines if (e in self.members or e in back) and e.url not in out])
-
-    def demote(self, url: str, reason: str) -> None:
-        """Move a relaying server to the end of every tree (a leaf, holding no one) from the next
-        version's epoch on."""
-        if self.seniority and self.seniority[-1] != url and url in self.seniority:
-            self.seniority = [u for u in self.seniority if u != url] + [url]
-            self._replan = True
-            self.metrics.event("demoted", url, None, reason)
-            log.warning("%s moves to a leaf of the relay: %s", url, reason)
 
     def park(self, repair: list[EngineClient]) -> None:
         """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
@@ -424,6 +371,43 @@ class Membership:
             except Exception as e:  # closing is best effort: the sockets go with the process anyway
                 log.warning("closing the control-plane sessions failed: %s", e)
         self.drop_group()
+
+
+def same_host(members: Membership, engines: list[EngineClient], refuse: bool) -> set[str]:
+    """The servers that get versions through shared memory (``transport``; docs in configs/default.yaml):
+    those on this host, for a single trainer process with weights in host memory. With
+    ``transport: shm`` a server known to be elsewhere raises ``UnsupportedServer`` (``refuse``, at
+    connect) or is evicted."""
+    cfg = members.config
+    if cfg.transport == "collective" or members.runtime.kind != "host" or members.ranks.world > 1 or not engines:
+        if cfg.transport == "shm" and engines:
+            raise UnsupportedServer(engines[0].url, "transport: shm needs weights in host memory and one trainer "
+                                                    "process; use transport: auto or collective")
+        return set()
+    here = HostIdentity.here()
+    for e in engines if cfg.transport == "shm" else ():
+        if not e.protocol.shared_memory:  # SGLang: its update_weights_from_tensor path is not done
+            error = UnsupportedServer(e.url, f"a {e.kind} server cannot receive through shared memory; use "
+                                             "transport: auto (it then gets the collective) or collective")
+            if refuse:
+                raise error
+            members.evict(e.url, str(error))
+    engines = [e for e in engines if e.protocol.shared_memory]
+    hosts = members.call_all(engines, lambda e: e.host_identity(), "host")
+    shared = set()
+    for e in engines:
+        host = hosts[e.url]
+        if isinstance(host, BaseException):
+            host = None  # it is evicted by the next call it fails
+        if here is not None and host == here or (cfg.transport == "shm" and host is None):
+            shared.add(e.url)
+        elif cfg.transport == "shm":
+            error = UnsupportedServer(e.url, f"is not on this host (it sees {host}, the trainer {here}), but the "
+                                             "config says transport: shm; use transport: auto")
+            if refuse:
+                raise error
+            members.evict(e.url, str(error))
+    return shared
 
 
 async def within(engine: EngineClient, call: Awaitable[Any], deadline_s: float, what: str) -> Any:

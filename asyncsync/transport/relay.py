@@ -75,6 +75,36 @@ class RelayTree:
         return "; ".join(f"{u} -> {', '.join(self.below(u))}" for u in self.order if self.below(u))
 
 
+class Relays:
+    """One sender's relay across epochs: the current epoch's trees, the servers in the order every
+    tree takes them (``seniority``: the oldest members first, so a server that was evicted or demoted
+    comes back as a leaf), and whether the next version must re-plan (``replan``)."""
+
+    def __init__(self) -> None:
+        self.trees: tuple[RelayTree, ...] = ()
+        self.seniority: list[str] = []
+        self.replan = False
+
+    def formed(self, trees: tuple[RelayTree, ...]) -> None:
+        self.trees = trees
+        self.seniority += [u for t in trees for u in t.order if u not in self.seniority]
+
+    def evicted(self, url: str) -> None:
+        self.seniority = [u for u in self.seniority if u != url]
+
+    def relayed(self) -> set[str]:
+        """The servers that get versions from another server, not from the trainer."""
+        return {u for tree in self.trees for u in tree.order if u != tree.root}
+
+    def demote(self, url: str) -> bool:
+        """Move ``url`` to the end of every tree from the next epoch on; False when it is there already."""
+        if url not in self.seniority or self.seniority[-1] == url:
+            return False
+        self.seniority = [u for u in self.seniority if u != url] + [url]
+        self.replan = True
+        return True
+
+
 def _depth(servers: int, fanout: int) -> int:
     depth, level, placed = 0, 1, 0
     while placed < servers:

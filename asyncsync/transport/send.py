@@ -130,7 +130,7 @@ class VersionSend:
         self.frames = VersionFrames.of(self.request)  # every bucket's frame header to asyncsync's receivers carries it
         # With a relay a server's update answers once it verified the whole version (none receives in
         # the background here), so it is sent ``end`` at once: a slow server below never holds it.
-        self.ends_early = frozenset(e.url for e in self.engines if members.trees and self.adapter is None
+        self.ends_early = frozenset(e.url for e in self.engines if members.relay.trees and self.adapter is None
                                     and not e.receives_in_background)
         ranks.from_leader(Version(VersionPlan(self.version, self.deadlines, self.frames, self.delta)))
         return True
@@ -142,8 +142,11 @@ class VersionSend:
         updated = self.collect_updates(broken)
         ended = self.confirm(updated)
         survivors = self.evict(updated | ended, broken)
-        for url in slow_hops(self.members.trees, self.received):
-            self.members.demote(url, f"version {self.version} reached it {SLOW_HOP}x slower than the other hops")
+        for url, ratio in slow_hops(self.members.relay.trees, self.received).items():
+            if self.members.relay.demote(url):  # a leaf from the next version's epoch on
+                why = f"its hop of version {self.version} took {ratio:.1f}x the median of the others"
+                self.members.metrics.event("demoted", url, self.version, why)
+                log.warning("%s moves to a leaf of the relay: %s", url, why)
         return survivors
 
     # -- post: begin and update ------------------------------------------------------------------
@@ -159,7 +162,8 @@ class VersionSend:
             if self.adapter is None:
                 await within(e, e.begin(self.version), self._deadline(e, "begin"), "begin")
                 await within(e, e.update(request), self._deadline(e, "update"), "update")
-                self.received[e.url] = time.perf_counter()
+                if not e.receives_in_background:  # its answer says when the version reached it
+                    self.received[e.url] = time.perf_counter()
                 if e.url in self.ends_early:  # it serves the version now, not once the slowest received it
                     try:
                         self.ended[e.url] = await self._end(e)
@@ -196,7 +200,7 @@ class VersionSend:
         members, result, ranks = self.members, self.result, self.members.ranks
         broken: str | PackFailed | None = None
         if members.group is not None:
-            relayed = members.relayed()  # their answers say nothing of the trainer's own broadcasts
+            relayed = members.relay.relayed()  # their answers say nothing of the trainer's own broadcasts
             wired = {u: f for u, f in self.posted.items() if u not in members.shared and u not in relayed}
             background = frozenset(e.url for e in self.engines if e.receives_in_background)
             try:
@@ -313,7 +317,7 @@ class VersionSend:
         they are sent it again, once. None without a relay, for a sharded trainer (its other ranks
         follow one send per version) and for adapter versions; they get the next version."""
         members, result = self.members, self.result
-        if not members.trees or members.ranks.world > 1 or self.adapter is not None or self.repairing:
+        if not members.relay.trees or members.ranks.world > 1 or self.adapter is not None or self.repairing:
             return []
         here = {e.url for e in survivors} if survivors is not None else {e.url for e in self.engines}
         missed = [e for e in self.engines if e.url in here and e.url in result.failures
@@ -338,18 +342,20 @@ class VersionSend:
         return result
 
 
-def slow_hops(trees: tuple[RelayTree, ...], received: dict[str, float]) -> list[str]:
+def slow_hops(trees: tuple[RelayTree, ...], received: dict[str, float]) -> dict[str, float]:
     """The relayed servers that held the servers below them: each server's hop (when its update answered,
     less when its parent's did) over ``SLOW_HOP`` times the median of the other hops, and longer than
-    ``SLOW_HOP_MIN_S``. A slow root cannot be told from a slow trainer link, and is left where it is."""
-    slow = []
+    ``SLOW_HOP_MIN_S``; each with its hop over that median. A slow root cannot be told from a slow
+    trainer link, and is left where it is."""
+    slow = {}
     for tree in trees:
         hops = {u: received[u] - received[p] for u in tree.order
                 if (p := tree.parent(u)) is not None and u in received and p in received}
         for url, hop in hops.items():
             others = sorted(h for u, h in hops.items() if u != url)
-            if others and tree.below(url) and hop > max(SLOW_HOP * others[len(others) // 2], SLOW_HOP_MIN_S):
-                slow.append(url)
+            median = others[len(others) // 2] if others else 0.0
+            if others and tree.below(url) and hop > max(SLOW_HOP * median, SLOW_HOP_MIN_S):
+                slow[url] = hop / max(median, 1e-6)
     return slow
 
 

@@ -52,8 +52,8 @@ def tree_of(sync: WeightSync) -> list[str]:
 
 
 def slow_hop(args: dict[str, Any]) -> None:
-    """urls[1]'s link is a tenth of the others': the first version it holds the chain below it; then it
-    is a leaf, and the servers it held serve the next version without waiting for it."""
+    """urls[1]'s link is a tenth of the others': while it relays it holds the chain below it; once it
+    is a leaf, the servers it held serve each version without waiting for it."""
     urls, out = args["urls"], Path(args["dir"])
     for url in urls:
         wait_healthy(url, 300, f"the server at {url}")
@@ -64,7 +64,7 @@ def slow_hop(args: dict[str, Any]) -> None:
     with WeightSync(WeightSyncConfig.from_dict(cfg)) as sync:
         sync.connect(model)
         seen["tree"] = tree_of(sync)
-        for v in (1, 2):
+        for v in (1, 2, 3):
             step(model, v)
             fast = [u for u in urls if u != urls[1]]
             reached: dict[str, float] = {}
@@ -78,7 +78,7 @@ def slow_hop(args: dict[str, Any]) -> None:
             seen[f"v{v}"]["fast_s"] = max(reached.values()) if len(reached) == len(fast) else None
             seen[f"v{v}"]["served"] = served(urls, model)
         seen["tree_after"] = tree_of(sync)
-        seen["events"] = [(e.kind, e.server) for e in sync.metrics.events]
+        seen["events"] = [(e.kind, e.server, e.version) for e in sync.metrics.events]
     (out / "seen.json").write_text(json.dumps(seen))
 
 
@@ -104,7 +104,7 @@ def main(args: dict[str, Any]) -> None:
     with WeightSync(WeightSyncConfig.from_dict(base)) as sync:
         sync.connect(model)
         seen["tree"] = tree_of(sync)
-        for v in (1, 2):  # blocking, every server healthy
+        for v in (1, 2, 3):  # blocking, every server healthy
             step(model, v)
             t0 = time.perf_counter()
             result = sync.publish(model, v)

@@ -96,6 +96,10 @@ class Relays:
         """The servers that get versions from another server, not from the trainer."""
         return {u for tree in self.trees for u in tree.order if u != tree.root}
 
+    def in_trees(self) -> set[str]:
+        """Every server of a tree, its root included (not the trainer's other direct children)."""
+        return {u for tree in self.trees for u in tree.order}
+
     def demote(self, url: str) -> bool:
         """Move ``url`` to the end of every tree from the next epoch on; False when it is there already."""
         if url not in self.seniority or self.seniority[-1] == url:

@@ -130,7 +130,8 @@ class VersionSend:
         self.frames = VersionFrames.of(self.request)  # every bucket's frame header to asyncsync's receivers carries it
         # With a relay a server's update answers once it verified the whole version (none receives in
         # the background here), so it is sent ``end`` at once: a slow server below never holds it.
-        self.ends_early = frozenset(e.url for e in self.engines if members.relay.trees and self.adapter is None
+        in_trees = members.relay.in_trees()
+        self.ends_early = frozenset(e.url for e in self.engines if e.url in in_trees and self.adapter is None
                                     and not e.receives_in_background)
         ranks.from_leader(Version(VersionPlan(self.version, self.deadlines, self.frames, self.delta)))
         return True
@@ -320,6 +321,7 @@ class VersionSend:
         if not members.relay.trees or members.ranks.world > 1 or self.adapter is not None or self.repairing:
             return []
         here = {e.url for e in survivors} if survivors is not None else {e.url for e in self.engines}
+        here &= members.relay.in_trees()  # the trainer's other direct children missed it for reasons of their own
         missed = [e for e in self.engines if e.url in here and e.url in result.failures
                   and e.url not in members.shared and e.url not in members.refusing]
         for e in missed:

@@ -104,15 +104,20 @@ def main(args: dict[str, Any]) -> None:
     with WeightSync(WeightSyncConfig.from_dict(base)) as sync:
         sync.connect(model)
         seen["tree"] = tree_of(sync)
-        for v in (1, 2):  # blocking, every server healthy
-            step(model, v)
+        for v in (1, 2):  # blocking, every server healthy; version 2 changes one tensor: deltas down the chain
+            if v == 1:
+                step(model, v)
+            else:
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-3)
             t0 = time.perf_counter()
             result = sync.publish(model, v)
             seen["versions"][v] = {"s": time.perf_counter() - t0, "servers": result.server_versions,
-                                   "failures": result.failures, "served": served(urls, model)}
+                                   "failures": result.failures, "served": served(urls, model),
+                                   "delta_buckets": result.delta_buckets}
         # Version 3: the second server of the chain (an interior one) is killed while it relays.
         step(model, 3)
-        seen["kill_s"] = args["kill_after"] * seen["versions"][2]["s"]
+        seen["kill_s"] = args["kill_after"] * seen["versions"][1]["s"]  # version 1 went whole, as 3 does
         killer = threading.Timer(seen["kill_s"], os.kill, (args["victim_pid"], signal.SIGKILL))
         t0 = time.perf_counter()
         killer.start()

@@ -53,7 +53,6 @@ class Forward:
         self.edges = list(edges)
         self.frames, self.runtime, self.in_flight = frames, runtime, in_flight
         self._pending: list[list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]] = []
-        self.dropped: list[str] = []  # the edges that failed, as text
 
     def send(self, index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
         """Forward payload ``index`` (landed whole) into every edge still up, after its frame header."""
@@ -108,7 +107,6 @@ class Forward:
         self.edges.remove(edge)
         edge.close(broken=True)
         self._pending = [[s for s in sent if s[0] is not edge] for sent in self._pending]  # its works let go
-        self.dropped.append(f"{edge.spec.group_name}: {error}")
         log.warning("relay edge %s dropped: %s (the trainer sends the servers below it the version again)",
                     edge.spec.group_name, error)
 

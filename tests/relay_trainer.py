@@ -7,7 +7,6 @@ mid-version, its return as a leaf. Writes what it saw as JSON for the test to ju
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -22,11 +21,8 @@ import torch
 from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.launch.http import http_call, wait_healthy
 from asyncsync.models import ModelConfig, build_model
-from asyncsync.receivers.reference.receiver import tensor_bytes
 
-
-def digest(model: torch.nn.Module) -> dict[str, str]:
-    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in model.state_dict().items()}
+from helpers import digest  # this script's folder (tests/) is first on its path
 
 
 def served(urls: list[str], model: torch.nn.Module) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class FramedReceive:
 
     def run(self) -> None:
         req, payloads = self.req, self.payloads
-        frames = VersionFrames.of(req)
+        frames = self.forward.frames  # the announcement's, computed once per version
         header = self._post_header(0)
         landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
         for i, payload in enumerate(payloads):

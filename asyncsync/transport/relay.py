@@ -94,7 +94,7 @@ class Relays:
 
     def relayed(self) -> set[str]:
         """The servers that get versions from another server, not from the trainer."""
-        return {u for tree in self.trees for u in tree.order if u != tree.root}
+        return self.in_trees() - {tree.root for tree in self.trees}
 
     def in_trees(self) -> set[str]:
         """Every server of a tree, its root included (not the trainer's other direct children)."""

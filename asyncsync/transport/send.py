@@ -75,7 +75,8 @@ def send_version(members: Membership, version: int, plan: BucketPlan, source: Bu
         members.park(missed)
         if send.announce(whole=True):
             survivors = send.deliver()
-            send.result.repaired = sorted(u for u in send.result.server_versions if u in {e.url for e in missed})
+            again = {e.url for e in missed}
+            send.result.repaired = sorted(u for u in send.result.server_versions if u in again)
     if survivors is not None:
         members.form(survivors)
     return send.done()

@@ -15,7 +15,7 @@ _EXPORTS = {
     "ServerConfig": "asyncsync.config",
     "ConfigError": "asyncsync.config",
     "SyncResult": "asyncsync.metrics",
-    "SyncError": "asyncsync.transport.membership",
+    "SyncError": "asyncsync.transport.fleet",
     "TensorSpec": "asyncsync.protocol.specs",
     "Bucket": "asyncsync.protocol.specs",
     "BucketPlan": "asyncsync.protocol.specs",

@@ -22,9 +22,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -77,12 +77,37 @@ class ControlLoop:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return self.submit(coro).result(timeout)
 
+    def call_all(self, servers: Sequence[HasUrl], call: Callable[[Any], Awaitable[Any]], what: str,
+                 deadline_s: float) -> dict[str, Any]:
+        """``call`` on every server concurrently, each within ``deadline_s`` (``ServerError`` naming the
+        server and ``what`` past it); each server's result or exception, by URL."""
+        return self.run(gather(servers, lambda s: within(s.url, call(s), deadline_s, what)), deadline_s + 5)
+
     def close(self) -> None:
         if self.loop.is_closed():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+class HasUrl(Protocol):
+    @property
+    def url(self) -> str: ...
+
+
+async def within(url: str, call: Awaitable[T], deadline_s: float, what: str) -> T:
+    """Await ``call``, or raise ``ServerError`` (timed out) naming ``url`` and ``what`` at the deadline."""
+    try:
+        return await asyncio.wait_for(call, deadline_s)
+    except asyncio.TimeoutError:
+        raise ServerError(url, f"{what} missed its deadline of {deadline_s:.1f}s", timed_out=True) from None
+
+
+async def gather(servers: Sequence[HasUrl], call: Callable[[Any], Awaitable[Any]]) -> dict[str, Any]:
+    """Call every server concurrently; each server's result or exception, keyed by URL."""
+    results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+    return {s.url: r for s, r in zip(servers, results)}
 
 
 @dataclass(frozen=True)

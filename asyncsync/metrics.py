@@ -40,6 +40,23 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
+class Footprint:
+    """Bytes the sync's own buffers hold: ``device`` on the weights' device (a ring, snapshots, the
+    shared-memory segments same-host servers map), of which ``baseline`` hold the delta baseline;
+    ``host`` in host memory apart from the weights' device (a snapshot with ``snapshot: host``);
+    ``conversion``: the most converting a version to the engines' layout allocates at once."""
+
+    device: int = 0
+    host: int = 0
+    baseline: int = 0
+    conversion: int = 0
+
+    def __add__(self, other: Footprint) -> Footprint:
+        return Footprint(self.device + other.device, self.host + other.host, self.baseline + other.baseline,
+                         self.conversion + other.conversion)
+
+
+@dataclass(frozen=True)
 class SyncEvent:
     """Something that happened to a server: ``evicted``, ``rejoined`` or ``refused`` (a version)."""
 
@@ -60,12 +77,7 @@ class SyncMetrics:
         self.superseded = 0
         self.failed = 0
         self.stall_s = 0.0  # total time the trainer was held in wait_snapshot()
-        self.buffer_bytes = 0  # bytes of the sync's own buffers on the weights' device
-        self.host_buffer_bytes = 0  # and in host memory (a snapshot with ``snapshot: host``)
-        self.baseline_bytes = 0  # of those, the buffers that hold the delta baseline
-        # the most bytes converting to the engines' layout allocates at once while a version is packed
-        # (trainer.layout: copies such as the gate/up split of fused experts), on the weights' device
-        self.conversion_bytes = 0
+        self.footprint = Footprint()  # the sync's own buffers, as connect allocated them
         # Bytes each server holds beside its live weights to receive versions (vLLM: a staging arena
         # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
         self.receiver_staging_bytes: dict[str, int] = {}
@@ -123,14 +135,13 @@ class SyncMetrics:
             self.stall_s += seconds
         self._p_stall.inc(seconds)
 
-    def allocated(self, nbytes: int, host_nbytes: int = 0, conversion_bytes: int = 0, baseline_nbytes: int = 0) -> None:
+    def allocated(self, footprint: Footprint) -> None:
         with self._lock:
-            self.buffer_bytes, self.host_buffer_bytes = nbytes, host_nbytes
-            self.conversion_bytes, self.baseline_bytes = conversion_bytes, baseline_nbytes
-        self._p_buffers.set(nbytes)
-        self._p_host.set(host_nbytes)
-        self._p_conversion.set(conversion_bytes)
-        self._p_baseline.set(baseline_nbytes)
+            self.footprint = footprint
+        self._p_buffers.set(footprint.device)
+        self._p_host.set(footprint.host)
+        self._p_conversion.set(footprint.conversion)
+        self._p_baseline.set(footprint.baseline)
 
     def staging(self, per_server: dict[str, int]) -> None:
         with self._lock:
@@ -159,9 +170,9 @@ class SyncMetrics:
                 last["gbps"] = self.last.gbps
             return {
                 "published": self.published, "sent": self.sent, "superseded": self.superseded,
-                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.buffer_bytes,
-                "host_buffer_bytes": self.host_buffer_bytes, "conversion_bytes": self.conversion_bytes,
-                "baseline_bytes": self.baseline_bytes,
+                "failed": self.failed, "boundary_stall_s": self.stall_s, "buffer_bytes": self.footprint.device,
+                "host_buffer_bytes": self.footprint.host, "conversion_bytes": self.footprint.conversion,
+                "baseline_bytes": self.footprint.baseline,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "checks": {u: {"max_diff": d, "diverged": x} for u, (d, x) in self.checks.items()},
                 "events": [asdict(e) for e in self.events],

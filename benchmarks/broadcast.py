@@ -133,7 +133,7 @@ def measure(model: torch.nn.Module, receivers: int, repeats: int, bucket_sizes: 
                                 times[key].append(dt)
                     assert last is not None
                     block = {k: statistics.median(v) for k, v in times.items()}
-                    block.update(bucket_bytes=bucket_bytes, buckets=last.buckets, buffer_bytes=sync.buffer_bytes,
+                    block.update(bucket_bytes=bucket_bytes, buckets=last.buckets, buffer_bytes=sync.footprint.device,
                                  pack_backend=sync.pack_backend,
                                  last={"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s})
                     blocks.append(block)
@@ -182,7 +182,7 @@ def _shm_block(group: DataPlaneGroup, flat: torch.Tensor, model: torch.nn.Module
                 times["sync_s"].append(sync_s)
                 times["pack_s"].append(last.pack_s)
                 times["transfer_s"].append(sync_s - last.pack_s)
-        shm_bytes = sync.buffer_bytes
+        shm_bytes = sync.footprint.device
     block: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     return block | {"bucket_bytes": bucket_bytes, "shm_bytes": shm_bytes,
                     "last": {"pack_s": last.pack_s, "wire_s": last.wire_s, "apply_s": last.apply_s, "total_s": last.total_s}}

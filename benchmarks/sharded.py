@@ -73,7 +73,7 @@ def rank_main(rank: int, world: int, urls: list[str], versions: int, bucket_byte
                 sync.wait_snapshot()
                 version += 1
                 sync.publish(model, version)
-            memory[mode] = {"device": sync.buffer_bytes, "host": sync.host_buffer_bytes}
+            memory[mode] = {"device": sync.footprint.device, "host": sync.footprint.host}
         assert not sync.errors, sync.errors
     out["memory"] = memory
     return out

@@ -1,5 +1,5 @@
 """Test helpers: one digest of weights, a reference server on a thread of this process, and the
-trainer's send path driven version by version with the product's own pieces (``Membership``,
+trainer's send path driven version by version with the product's own pieces (``Fleet``,
 ``Ring``, ``send_version``), for tests that need to reach below ``WeightSync``."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from asyncsync.launch.reference import ServerProcess
 from asyncsync.receivers.reference.receiver import tensor_bytes
 from asyncsync.trainer.buffers import Ring
 from asyncsync.control import ControlLoop
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.send import send_version
 from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.topology import TrainerGroups
@@ -141,22 +141,23 @@ class Trainer:
         self.metrics = SyncMetrics()
         # The data plane below WeightSync: same-host servers too (tests/test_shm.py covers shared memory).
         config = config.replace(transport="collective") if config.transport == "auto" else config
-        self.members = Membership.connect(config, self.control, self.metrics, HostRuntime())
+        self.fleet = Fleet.connect(config, self.control, self.metrics, HostRuntime())
 
     @property
     def groups(self) -> list[tuple[str, int]]:
         """(receiver protocol, world size) of each data-plane group of the current epoch."""
-        assert self.members.group is not None
-        return self.members.group.layout
+        group = self.fleet.epochs.current.group
+        assert group is not None
+        return group.layout
 
     def send(self, named: Mapping[str, torch.Tensor], version: int, *, bucket_bytes: int | None = None,
              single_dtype: bool | None = None, wrap: Callable[[BucketSource], BucketSource] | None = None) -> SyncResult:
         """Send ``named`` as ``version``; ``wrap`` may tamper with the bytes on their way to the wire."""
-        cfg = self.members.config
+        cfg = self.fleet.config
         plan = BucketPlan.from_tensors(named.items(), bucket_bytes or cfg.bucket_bytes,
-                                       self.members.single_dtype_buckets if single_dtype is None else single_dtype)
+                                       self.fleet.single_dtype_buckets if single_dtype is None else single_dtype)
         source: BucketSource = Ring(plan, CPU, TorchPackBackend(), cfg.checksum).packing(named)
-        return send_version(self.members, version, plan, wrap(source) if wrap else source)
+        return send_version(self.fleet, plan, version, wrap(source) if wrap else source)
 
     def publish(self, named: Mapping[str, torch.Tensor], version: int, **options: object) -> dict[str, int | str]:
         """Each server's live version after ``version`` was sent, or the reason it failed."""
@@ -164,7 +165,7 @@ class Trainer:
         return {**result.server_versions, **result.failures}
 
     def close(self) -> None:
-        self.members.close()
+        self.fleet.close()
         self.control.close()
 
 

@@ -44,7 +44,7 @@ def step(model: torch.nn.Module, version: int) -> None:
 
 
 def tree_of(sync: WeightSync) -> list[str]:
-    return [u for m in sync.connection.role.members for t in m.relay.trees for u in t.order]
+    return [u for f in sync.connection.role.fleets for t in f.epochs.current.trees for u in t.order]
 
 
 def slow_hop(args: dict[str, Any]) -> None:

@@ -107,9 +107,9 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
     sync.connect(trainer.model)
     try:
         held = sync.connection.reader.read(trainer.model).tensors().sources  # the fused experts, as the ranks hold them
-        report = dict(buffer_bytes=sync.buffer_bytes, host_buffer_bytes=sync.host_buffer_bytes, baseline_bytes=sync.baseline_bytes,
+        report = dict(buffer_bytes=sync.footprint.device, host_buffer_bytes=sync.footprint.host, baseline_bytes=sync.footprint.baseline,
                       local_bytes=local_bytes(held, set(sync.layout.source_specs)), bucket_bytes=sync.plan.max_bucket_bytes,
-                      model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.buffer_bytes,
+                      model_bytes=sync.plan.total_bytes, metrics_bytes=sync.metrics.footprint.device,
                       converted=not sync.layout.identity)
         full: dict[str, torch.Tensor] = {}
         for v in range(first, first + versions):
@@ -166,7 +166,7 @@ def sparse_deltas(rank: int, urls: list[str], trainer: Trainer, first: int, vers
     if rank == 0:
         check_served(urls, first + versions - 1, full)
         results = [(r.version, r.delta_base, r.wire_bytes, r.nbytes) for r in sync.metrics.history]
-    return dict(results=results, baseline_bytes=sync.metrics.baseline_bytes, model_bytes=sync.plan.total_bytes)
+    return dict(results=results, baseline_bytes=sync.metrics.footprint.baseline, model_bytes=sync.plan.total_bytes)
 
 
 def encode_fails(rank: int, urls: list[str], trainer: Trainer, first: int) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def run_fault_sequence(config: dict[str, Any], trainer: torch.nn.Module, version
         bad = sync.publish(trainer, version + 1)
         assert bad.delta_base == version and bad.server_versions == {}, bad
         url = next(iter(bad.failures))
-        sync.connection.role.members[0].baselines = {url: version + 1}  # the lie: the server still holds `version`
+        sync.connection.role.fleets[0].book.took(url, version + 1)  # the lie: the server still holds `version`
         sparse_step(trainer, version + 2)
         wrong = sync.publish(trainer, version + 2)
         assert wrong.delta_base == version + 1 and wrong.server_versions == {}, wrong

@@ -43,7 +43,7 @@ def test_blocking_deltas_are_bit_exact_and_move_a_fraction_of_the_bytes(two_serv
     start = max(s.get("/version")["version"] for s in two_servers)
     with WeightSync(config(two_servers)) as sync:
         sync.connect(model)
-        assert sync.metrics.baseline_bytes == sync.plan.total_bytes  # blocking: one version beside the ring
+        assert sync.metrics.footprint.baseline == sync.plan.total_bytes  # blocking: one version beside the ring
         results = []
         for version in range(start + 1, start + 6):
             nudge(model, version)
@@ -66,7 +66,7 @@ def test_async_deltas_are_bit_exact_and_off_sends_every_version_whole(two_server
     for mode in ("auto", "off"):
         with WeightSync(config(two_servers, async_weight_update=True, delta=mode)) as sync:
             sync.connect(model)
-            assert sync.metrics.baseline_bytes == (sync.buffer_bytes if mode == "auto" else 0)  # the snapshot itself
+            assert sync.metrics.footprint.baseline == (sync.footprint.device if mode == "auto" else 0)  # the snapshot itself
             for version in range(start + 1, start + 5):
                 sync.wait_snapshot()
                 nudge(model, version)
@@ -112,7 +112,7 @@ def test_shared_memory_servers_get_every_version_whole_and_no_baseline_is_kept(t
     start = max(s.get("/version")["version"] for s in two_servers)
     with WeightSync(config(two_servers, transport="shm")) as sync:
         sync.connect(model)
-        assert sync.metrics.baseline_bytes == 0
+        assert sync.metrics.footprint.baseline == 0
         for version in range(start + 1, start + 3):
             nudge(model, version)
             result = sync.publish(model, version)

@@ -30,7 +30,7 @@ from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import free_port
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest, WireError
 from asyncsync.transport.relay import RelayTree
-from asyncsync.transport.send import slow_hops
+from asyncsync.transport.relay import slow_hops
 from asyncsync.transport.topology import GroupLayout
 
 HERE = Path(__file__).parent

@@ -190,7 +190,7 @@ def test_a_refusal_after_the_receive_keeps_the_group(server):
         named = {**drift(model, 9).state_dict(), "no.such.tensor": torch.zeros(4)}
         failure = trainer.publish(named, 9)[server.url]
         assert "Failed to update parameter online" in str(failure) and consumed(str(failure).split("HTTP 400: ")[1])
-        assert groups(server) == before and trainer.members.epoch == 1
+        assert groups(server) == before and trainer.fleet.epochs.current.number == 1
         assert trainer.publish(dict(drift(model, 10).state_dict()), 10) == {server.url: 10}
         assert server.get("/weights/digest")["digest"] == digest(model)
     finally:
@@ -204,8 +204,8 @@ def test_a_restarted_trainer_meets_no_group_or_session_of_the_one_before(server)
     (dead,) = groups(server)
     # The first trainer dies in the middle of a version: its group and its open session stay behind.
     assert call(server.url, "POST", "/begin_weight_update", {})[0] == 200
-    first.members.drop_group()
-    for engine in first.members.engines:
+    first.fleet.epochs.drop()
+    for engine in first.fleet.engines:
         first.control.run(engine.http.close())
     first.control.close()
 

@@ -34,14 +34,14 @@ def test_a_restarted_trainer_meets_no_group_or_session_of_the_one_before():
         assert first.publish(weights(model, 1), 1) == {server.url: 1}
         (epoch1,) = groups
         assert GROUP.fullmatch(epoch1).group(1) == "1"
-        first.members.rebuild()  # a new epoch destroys the group of the one before
+        first.fleet.epochs.rebuild()  # a new epoch destroys the group of the one before
         (epoch2,) = groups
         assert epoch2 == epoch1[:-1] + "2"
 
         # The first trainer dies in the middle of a version: its group and its session stay behind.
         assert call(server.url, "POST", "/begin_weight_update", {})[0] == 200
-        first.members.drop_group()
-        for engine in first.members.engines:
+        first.fleet.epochs.drop()
+        for engine in first.fleet.engines:
             first.control.run(engine.http.close())
         first.control.close()
 

@@ -50,8 +50,8 @@ def test_blocking_and_async_versions_arrive_bit_exact_and_serve_the_trainers_out
     for mode, first in ((False, 100), (True, 200)):
         with WeightSync(config(urls, async_weight_update=mode)) as sync:
             sync.connect(model)
-            (members,) = sync.connection.role.members
-            assert members.group is None and members.shared == set(urls), "same-host servers form no data-plane group"
+            (fleet,) = sync.connection.role.fleets
+            assert fleet.epochs.current.group is None and fleet.epochs.current.shared == set(urls), "same-host servers form no data-plane group"
             for v in range(first, first + 4):
                 sync.wait_snapshot()
                 weights(model, v)
@@ -104,8 +104,9 @@ def test_local_and_remote_servers_mix_in_one_version():
     with ThreadedServer(local) as a, ThreadedServer(remote) as b:
         with WeightSync(config([a.url, b.url])) as sync:
             sync.connect(model)
-            (members,) = sync.connection.role.members
-            assert members.shared == {a.url} and members.group is not None and members.group.layout == [("asyncsync", 2)]
+            (fleet,) = sync.connection.role.fleets
+            epoch = fleet.epochs.current
+            assert epoch.shared == {a.url} and epoch.group is not None and epoch.group.layout == [("asyncsync", 2)]
             for v in (1, 2):
                 weights(model, v)
                 assert sync.publish(model, v).server_versions == {a.url: v, b.url: v}
@@ -115,7 +116,8 @@ def test_local_and_remote_servers_mix_in_one_version():
             WeightSync(config([a.url, b.url], transport="shm")).connect(model)
         with WeightSync(config([a.url, b.url], transport="collective")) as sync:
             sync.connect(model)
-            assert sync.connection.role.members[0].shared == set() and sync.connection.role.members[0].group.layout == [("asyncsync", 3)]
+            epoch = sync.connection.role.fleets[0].epochs.current
+            assert epoch.shared == set() and epoch.group is not None and epoch.group.layout == [("asyncsync", 3)]
             weights(model, 3)
             assert sync.publish(model, 3).server_versions == {a.url: 3, b.url: 3}
 
@@ -132,7 +134,8 @@ def test_a_same_host_sglang_server_gets_the_collective_and_shm_refuses_it():
             WeightSync(config(servers, transport="shm")).connect(model)
         with WeightSync(config(servers)) as sync:
             sync.connect(model)
-            assert sync.connection.role.members[0].shared == set() and sync.connection.role.members[0].group is not None
+            epoch = sync.connection.role.fleets[0].epochs.current
+            assert epoch.shared == set() and epoch.group is not None
             weights(model, 1)
             assert sync.publish(model, 1).server_versions == {ts.url: 1}
             assert digest(server.model) == digest(model)

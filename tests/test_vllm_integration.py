@@ -285,7 +285,7 @@ def test_vllm_relays_each_version_to_the_server_below_it(vllm_server):
                "transport": "collective"}
         with WeightSync.from_config(cfg) as sync:
             sync.connect(trainer)
-            (tree,) = sync.connection.role.members[0].relay.trees
+            (tree,) = sync.connection.role.fleets[0].epochs.current.trees
             assert tree.order == (url, below.url), "vLLM is the trainer's one receiver and relays"
             for version in (first, first + 1):
                 with torch.no_grad():

@@ -32,7 +32,7 @@ from asyncsync.config import ConfigError, ServerConfig, WeightSyncConfig
 from asyncsync.engines.base import parse_weight_version
 from asyncsync.metrics import SyncResult
 from asyncsync.trainer.sync import WeightSync
-from asyncsync.transport.membership import SyncError
+from asyncsync.transport.fleet import SyncError
 
 log = logging.getLogger(__name__)
 

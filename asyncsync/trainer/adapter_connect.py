@@ -2,9 +2,9 @@
 version) where a server does not serve it, and the loads of each adapter version begin.
 
     adapter, base = adapter_of(config, model, held, convert)   # (None, None) without lora: adapter
-    check_adapter(config, members, adapter, plan)              # rank 0; ConfigError if a server cannot
-    BaseSend(config, ranks, runtime, packer).run(model, base, ties, members, follower)   # every rank
-    loads = start_loads(config, members, adapter, ...)         # rank 0: AdapterLoads
+    check_adapter(config, fleets, adapter, plan)               # rank 0; ConfigError if a server cannot
+    BaseSend(config, ranks, runtime, packer).run(model, base, ties, fleets, following)   # every rank
+    loads = start_loads(config, fleets, adapter, ...)          # rank 0: AdapterLoads; the fleets serve adapters
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from asyncsync.trainer.source import TiedNames, Weights, WeightsReader
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.commands import BaseVersion
 from asyncsync.transport.datapath import follow_version
-from asyncsync.transport.follower import Follower
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
+from asyncsync.transport.follower import FollowingRank
+from asyncsync.transport.kinds import AdapterVersions
 from asyncsync.transport.send import send_version
 from asyncsync.transport.shm import SegmentPool
 from asyncsync.transport.sources import BucketSource
@@ -55,12 +56,12 @@ def adapter_of(config: WeightSyncConfig, model: Weights, held: dict[str, Any], c
         raise ConfigError(str(e)) from None
 
 
-def check_adapter(config: WeightSyncConfig, members: list[Membership], adapter: Adapter, plan: BucketPlan) -> None:
+def check_adapter(config: WeightSyncConfig, fleets: list[Fleet], adapter: Adapter, plan: BucketPlan) -> None:
     """Rank 0: ``ConfigError`` unless every server can serve the adapter (its LoRA settings, rank,
     targets, the versions held at once), before anything is sent."""
     check = AdapterCheck(config.lora_name, adapter.config, plan.specs, config.max_staleness + 2)
-    refused = {url: why for m in members for url, why in m.refusals(lambda e: e.check_adapter(check),
-                                                                   "check_adapter").items()}
+    refused = {url: why for f in fleets for url, why in f.refusals(lambda e: e.check_adapter(check),
+                                                                  "check_adapter").items()}
     if refused:
         url, why = next(iter(refused.items()))
         raise ConfigError(f"{len(refused)} server(s) cannot serve the adapter (lora: adapter): {url}: {why}")
@@ -75,8 +76,8 @@ class BaseSend:
         self.config, self.ranks, self.runtime, self.packer = config, ranks, runtime, packer
         self.pools: list[SegmentPool] = []
 
-    def run(self, model: Weights, base: WeightLayout, ties: TiedNames, members: list[Membership],
-            follower: Follower | None) -> None:
+    def run(self, model: Weights, base: WeightLayout, ties: TiedNames, fleets: list[Fleet],
+            following: FollowingRank | None) -> None:
         cfg, ranks = self.config, self.ranks
         reader = WeightsReader(ties, ranks.world > 1, None, base)
         try:
@@ -85,51 +86,51 @@ class BaseSend:
             reader.close()
         if ranks.leader:
             plan = BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes,
-                                          any(m.single_dtype_buckets for m in members), ranks.world > 1)
-            owners = balanced_owners(plan, members[0].sources)
-            todo = self._without_base(named, members)
-            version = 1 + max((v for m in todo for v in m.member_versions().values()), default=0)
+                                          any(f.single_dtype_buckets for f in fleets), ranks.world > 1)
+            owners = balanced_owners(plan, fleets[0].sources)
+            todo = self._without_base(named, fleets)
+            version = 1 + max((v for f in todo for v in f.member_versions().values()), default=0)
             setup = (version, plan, owners) if todo else None
             ranks.from_leader(BaseVersion(setup))
         else:
-            assert follower is not None
-            setup = follower.until(BaseVersion).setup
+            assert following is not None
+            setup = following.until(BaseVersion).setup
         if setup is None:
             return
         version, plan, owners = setup
         kinds = BufferKinds.of(cfg, ranks, self.runtime, self.packer, plan, named, owners, base, snapshot="device")
         if not ranks.leader:
-            assert follower is not None
-            follow_version(follower, plan, kinds.ring().packing(named), cfg.checksum)
+            assert following is not None
+            follow_version(following, plan, cfg.checksum, version, kinds.ring().packing(named))
             return
-        for m in todo:
+        for f in todo:
             log.info("sending the base (%.1f MB) as version %d to %s", plan.total_bytes / 1e6, version,
-                     [e.url for e in m.members])
-            result = send_version(m, version, plan, self._source(m, plan, named, kinds))
+                     f.epochs.current.urls)
+            result = send_version(f, plan, version, self._source(f, plan, named, kinds))
             if result.failures:
                 url, why = next(iter(result.failures.items()))
                 raise ConfigError(f"the base (lora: adapter) could not be sent to {url}: {why}")
 
-    def _without_base(self, named: Any, members: list[Membership]) -> list[Membership]:
-        """The memberships with a server that does not serve the base ``named`` (each server compares
+    def _without_base(self, named: Any, fleets: list[Fleet]) -> list[Fleet]:
+        """The fleets with a server that does not serve the base ``named`` (each server compares
         CRC32Cs; a sharded trainer's servers are all sent it)."""
         if self.ranks.world > 1:
-            return list(members)
+            return list(fleets)
         check = BaseCheck(tuple((n, tensor_crc(t)) for n, t in named.items()))
         todo = []
-        for m in members:
-            answers = m.call_all(m.members, lambda e: e.serves_base(check), "serves_base")
+        for f in fleets:
+            answers = f.call_members(lambda e: e.serves_base(check), "serves_base")
             unknown = [u for u, a in answers.items() if a is None]
             if unknown:
                 log.warning("%s cannot tell which base they serve: the adapter is applied to what they serve", unknown)
             if any(a is False or isinstance(a, BaseException) for a in answers.values()):
-                todo.append(m)
+                todo.append(f)
         return todo
 
-    def _source(self, members: Membership, plan: BucketPlan, named: Any, kinds: BufferKinds) -> BucketSource:
+    def _source(self, fleet: Fleet, plan: BucketPlan, named: Any, kinds: BufferKinds) -> BucketSource:
         """A ring packed from the live weights, or, with a server on shared memory, a segment it then
         serves from (kept until ``close``)."""
-        pool = shared_pool([members], plan)
+        pool = shared_pool([fleet], plan)
         if pool is None:
             return kinds.ring().packing(named)
         self.pools.append(pool)
@@ -143,18 +144,16 @@ class BaseSend:
         self.pools = []
 
 
-def start_loads(config: WeightSyncConfig, members: list[Membership], adapter: Adapter, session: str,
+def start_loads(config: WeightSyncConfig, fleets: list[Fleet], adapter: Adapter, session: str,
                 control: ControlLoop, metrics: SyncMetrics) -> AdapterLoads:
-    """Rank 0: the servers' versions become the adapter's (those they already serve are adopted, and
-    unloaded like this session's once they fall behind)."""
+    """Rank 0: the fleets send adapter versions from now on, and a server's version is the newest
+    adapter version it serves (those it already serves are adopted, and unloaded like this
+    session's once they fall behind)."""
     loads = AdapterLoads(config.lora_name, adapter.config, session, config.max_staleness, control, metrics,
                          config.deadlines.load_s)
-    for m in members:
-        m.adapter = config.lora_name
-        served = m.call_all(m.members, lambda e: e.adapter_versions(config.lora_name), "adapter_versions")
+    for f in fleets:
+        served = f.call_members(lambda e: e.adapter_versions(config.lora_name), "adapter_versions")
         for url, versions in served.items():
-            listed = versions if isinstance(versions, list) else []
-            loads.adopt(url, listed)
-            m.server_versions[url] = max(listed, default=0)
+            loads.adopt(url, versions if isinstance(versions, list) else [])
+        f.serve(AdapterVersions(loads))
     return loads
-

@@ -25,7 +25,7 @@ from asyncsync.trainer.buffers import Baseline, Ring, SharedSnapshot, Snapshot
 from asyncsync.trainer.layout import WeightLayout
 from asyncsync.trainer.shards import ShardedBuffers, ShardLayout, SourcePlan, sources
 from asyncsync.trainer.source import TiedNames, WeightsReader, all_tensors, weights_device
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.shm import SegmentPool
 
 
@@ -62,15 +62,15 @@ class BufferKinds:
         return cls(lambda: Ring(plan, device, packer, checksum), lambda: kind(plan, device, packer, checksum))
 
 
-def shared_pool(memberships: list[Membership], plan: BucketPlan) -> SegmentPool | None:
+def shared_pool(fleets: list[Fleet], plan: BucketPlan) -> SegmentPool | None:
     """The shared-memory segments versions are packed into when a server maps them (``transport``),
-    known to every membership so it can track what its servers hold; None when no server is on
-    shared memory."""
-    if not any(m.shared for m in memberships):
+    leased to every fleet so that what its servers hold is never rewritten; None when no server is
+    on shared memory."""
+    if not any(f.epochs.current.shared for f in fleets):
         return None
     pool = SegmentPool([b.nbytes for b in plan.buckets])
-    for m in memberships:
-        m.pool = pool
+    for f in fleets:
+        f.lease(pool)
     return pool
 
 
@@ -92,7 +92,8 @@ def sync_memory(config: WeightSyncConfig, model: Any) -> dict[str, dict[str, int
         kinds = BufferKinds.of(config, TrainerRanks(), runtime, packer, plan, named, owners, layout,
                                snapshot=snapshot or "device")
         buffers = kinds.ring() if snapshot is None else kinds.snapshot()
-        out[mode] = {"device": buffers.nbytes, "host": buffers.host_nbytes, "conversion": layout.scratch_bytes(plan)}
+        footprint = buffers.footprint
+        out[mode] = {"device": footprint.device, "host": footprint.host, "conversion": layout.scratch_bytes(plan)}
         del buffers
     if config.delta == "auto" and config.checksum and packer.encodes_deltas:
         # async mode's baseline is its snapshot; blocking mode keeps a whole version beside its ring

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from asyncsync.metrics import Footprint
 from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.packing.delta import Delta, limit
@@ -56,19 +57,9 @@ class Packed:
         self.deltas: list[Delta | None] = [None] * len(self.buffers)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes these buffers hold: the sync's memory cost on the weights' device."""
-        return sum(b.numel() for b in self.buffers)
-
-    @property
-    def baseline_nbytes(self) -> int:
-        """Of ``nbytes``, those that are a delta baseline."""
-        return 0
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes in host memory apart from the weights' device: none (a sharded rank's host snapshot has some)."""
-        return 0
+    def footprint(self) -> Footprint:
+        """What these buffers hold: the sync's memory cost, all on the weights' device."""
+        return Footprint(device=sum(b.numel() for b in self.buffers))
 
     def pack(self, bucket: Bucket, named: Mapping[str, torch.Tensor], encode: bool = False) -> None:
         """Pack one bucket of ``named``, already checked by ``check_layout`` (``encode``: over the
@@ -190,8 +181,10 @@ class Baseline(Snapshot):
         self.delta_base: int | None = None
 
     @property
-    def baseline_nbytes(self) -> int:
-        return self.nbytes
+    def footprint(self) -> Footprint:
+        """Every byte of it is the delta baseline."""
+        device = super().footprint.device
+        return Footprint(device=device, baseline=device)
 
     def pack_all(self, named: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Pack ``version`` over the version the buffers hold, encoding it against that one; until every

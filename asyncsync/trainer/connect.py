@@ -1,7 +1,7 @@
 """``connect``: from a model and a config to a ``Connection`` (``trainer/connection.py``), on every rank.
 
     ranks     the trainer's own gloo groups among its ranks (``trainer_ranks: auto``; a world of one)
-    servers   rank 0: a ``Membership`` per group (the data-plane groups, warmed up) and the names each
+    servers   rank 0: a ``Fleet`` per group (the data-plane groups, warmed up) and the names each
               server expects; every rank is told which tied names are sent (``TiedNames``)
     plan      rank 0: the buckets and each one's owner rank, checked against every server's layout
               (and, with ``lora: adapter``, the adapter judged and the base sent where it is not served)
@@ -43,9 +43,9 @@ from asyncsync.trainer.verify import ServedCheck
 from asyncsync.trainer.worker import SyncWorker
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.commands import Failed, Names, Ready
-from asyncsync.transport.follower import Follower as FollowingRank
-from asyncsync.transport.membership import Membership
-from asyncsync.transport.send import SLACK_S
+from asyncsync.transport.fleet import Fleet
+from asyncsync.transport.follower import FollowingRank
+from asyncsync.transport.phases import SLACK_S
 from asyncsync.transport.shm import SegmentPool
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Connecting:
     def __init__(self, config: WeightSyncConfig, ranks: TrainerRanks, metrics: SyncMetrics, session: str,
                  opened: ExitStack):
         self.config, self.ranks, self.metrics, self.session, self.opened = config, ranks, metrics, session, opened
-        self.members: list[Membership] = []  # rank 0's: one for all servers, or one per server (group_per_server)
+        self.fleets: list[Fleet] = []  # rank 0's: one for all servers, or one per server (group_per_server)
         self.control: ControlLoop | None = None
         self.following: FollowingRank | None = None  # ranks other than 0
         self.runtime: Runtime | None = None
@@ -118,8 +118,8 @@ class Connecting:
                                 pool, self.base)
         if check is not None:
             check.expect(model, 0)
-            for m in self.members:
-                check.run(m, 0, m.member_versions())
+            for f in self.fleets:
+                check.run(f, 0, f.member_versions())
         return connection
 
     def _layout(self, model: Weights, held: dict[str, Any], adapter: Adapter | None) -> WeightLayout:
@@ -147,11 +147,10 @@ class Connecting:
         self.opened.callback(self.control.close)
         spread = ranks.world > 1 and not cfg.funnel
         for group in [cfg.replace(servers=(s,)) for s in cfg.servers] if cfg.group_per_server else [cfg]:
-            members = Membership.connect(group, self.control, self.metrics, self.runtime, self.session, ranks, spread,
-                                         buckets)
-            self.opened.callback(members.close)
-            self.members.append(members)
-        told = [names for m in self.members for names in m.expected_names()]
+            fleet = Fleet.connect(group, self.control, self.metrics, self.runtime, self.session, ranks, spread, buckets)
+            self.opened.callback(fleet.close)
+            self.fleets.append(fleet)
+        told = [names for f in self.fleets for names in f.expected_names()]
         expected = frozenset().union(*told) if told else None
         if expected is not None and layout is not None:
             expected = layout.renamed_sources(expected)
@@ -168,34 +167,34 @@ class Connecting:
         if not ranks.leader:
             assert self.following is not None
             return self.following.until(Ready)
-        single_dtype = any(m.single_dtype_buckets for m in self.members)
+        single_dtype = any(f.single_dtype_buckets for f in self.fleets)
         if layout is not None:  # the targets of each conversion group together
             whole = ranks.world > 1 and not layout.identity  # each bucket's owner converts whole groups
             plan = BucketPlan.from_groups(layout.target_groups(), cfg.bucket_bytes, single_dtype, whole)
         else:
             plan = BucketPlan.from_tensors(named.items(), cfg.bucket_bytes, single_dtype)
-        owners = balanced_owners(plan, self.members[0].sources)
+        owners = balanced_owners(plan, self.fleets[0].sources)
         if adapter is None:
-            check_layouts(cfg, self.members, plan, layout)  # a plan a server would refuse at every version fails here
+            check_layouts(cfg, self.fleets, plan, layout)  # a plan a server would refuse at every version fails here
         else:
             assert base is not None
-            check_layouts(cfg, self.members, BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes), base)
-            check_adapter(cfg, self.members, adapter, plan)
+            check_layouts(cfg, self.fleets, BucketPlan.from_groups(base.target_groups(), cfg.bucket_bytes), base)
+            check_adapter(cfg, self.fleets, adapter, plan)
         assert self.packer is not None
-        return ranks.from_leader(Ready(plan, owners, keeps_baseline(cfg, self.packer, self.members)))
+        return ranks.from_leader(Ready(plan, owners, keeps_baseline(cfg, self.packer, self.fleets)))
 
     def _send_base(self, model: Weights, base: WeightLayout, ties: TiedNames) -> None:
         """``lora: adapter``: every rank sends the base where it is not served (``trainer/adapter_connect.py``)."""
         assert self.runtime is not None and self.packer is not None
         self.base = BaseSend(self.config, self.ranks, self.runtime, self.packer)
         self.opened.callback(self.base.close)
-        self.base.run(model, base, ties, self.members, self.following)
+        self.base.run(model, base, ties, self.fleets, self.following)
 
     def _start_loads(self, adapter: Adapter | None) -> AdapterLoads | None:
         if adapter is None or not self.ranks.leader:
             return None
         assert self.control is not None
-        loads = start_loads(self.config, self.members, adapter, self.session, self.control, self.metrics)
+        loads = start_loads(self.config, self.fleets, adapter, self.session, self.control, self.metrics)
         self.opened.callback(loads.drain, self.config.deadlines.load_s + SLACK_S)
         return loads
 
@@ -208,7 +207,7 @@ class Connecting:
     def _role(self, plan: BucketPlan, check: ServedCheck | None, loads: AdapterLoads | None) -> Role:
         if self.ranks.leader:
             assert self.control is not None
-            return Leader(self.ranks, self.config, plan, self.members, self.control, check, loads)
+            return Leader(self.ranks, self.config, plan, self.fleets, self.control, check, loads)
         assert self.following is not None
         return Follower(self.ranks, self.config, plan, self.following, lambda: self.metrics.last)
 
@@ -219,30 +218,30 @@ class Connecting:
         ring blocking, snapshots in the background worker async; and the shared memory, if any."""
         cfg, ranks, runtime, packer = self.config, self.ranks, self.runtime, self.packer
         assert runtime is not None and packer is not None
-        pool = shared_pool(self.members, plan)  # same-host servers (a single trainer process only)
+        pool = shared_pool(self.fleets, plan)  # same-host servers (a single trainer process only)
         if pool is not None:
             self.opened.callback(pool.close)
         if ranks.world > 1:  # every rank's own backend must encode (each picked its own: one may have fallen back)
             delta = ranks.all_agree(delta and packer.encodes_deltas, "send")
         kinds = BufferKinds.of(cfg, ranks, runtime, packer, plan, named, owners, layout, pool, delta)
         if not cfg.async_weight_update:
-            shared = (kinds.snapshot(), self.members[0]) if pool is not None else None  # a leased segment per version
+            shared = (kinds.snapshot(), self.fleets[0]) if pool is not None else None  # a leased segment per version
             single = delta and ranks.world == 1  # the baseline, beside the ring (trainer/delta.py)
             baseline = Baseline(plan, runtime.device, packer, cfg.checksum) if single else None
-            return Blocking(role, plan, reader, self.metrics, kinds.ring(), shared, baseline), pool
+            return Blocking(role, plan, reader, self.metrics, kinds.ring(), shared, baseline, cfg.lora == "adapter"), pool
         worker = SyncWorker(role.senders(), plan, kinds.snapshot, StreamSet(runtime), self.metrics, ranks, role.lowest,
-                            role.reachable)
+                            role.checked, role.reachable)
         self.opened.callback(worker.close)
         if isinstance(role, Leader) and role.loads is not None:
             role.loads.on_change = worker.poke  # a load moves the servers' versions (wait_for_fresh_servers)
         return Background(worker, reader), pool
 
 
-def check_layouts(config: WeightSyncConfig, members: list[Membership], plan: BucketPlan,
+def check_layouts(config: WeightSyncConfig, fleets: list[Fleet], plan: BucketPlan,
                   layout: WeightLayout | None) -> None:
     """Rank 0: ``ConfigError`` when a server says it does not load exactly the plan's tensors (names,
     dtypes, shapes): the first few differences on both sides, and the fix."""
-    refused = {url: why for m in members for url, why in m.layout_refusals(plan.specs).items()}
+    refused = {url: why for f in fleets for url, why in f.layout_refusals(plan.specs).items()}
     if not refused:
         return
     url, why = next(iter(refused.items()))

@@ -1,12 +1,12 @@
 """What ``connect`` built, for one mode, until ``close``: the rank's ``Role`` (leader or follower), the
 ``Publisher`` (blocking or background), the weights' view, the plan, the check, and what they hold.
-``WeightSync`` hands every call to it; nothing here tests the mode again."""
+``WeightSync`` calls the publisher and the role directly; nothing here tests the mode again."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncsync.metrics import SyncResult
+from asyncsync.metrics import Footprint
 from asyncsync.packing import PackBackend
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.specs import BucketPlan
@@ -15,7 +15,7 @@ from asyncsync.trainer.adapter_connect import BaseSend
 from asyncsync.trainer.layout import WeightLayout
 from asyncsync.trainer.publishers import Background, Blocking
 from asyncsync.trainer.roles import Role
-from asyncsync.trainer.source import Weights, WeightsReader
+from asyncsync.trainer.source import WeightsReader
 from asyncsync.trainer.verify import ServedCheck
 from asyncsync.transport.shm import SegmentPool
 
@@ -36,34 +36,17 @@ class Connection:
     pool: SegmentPool | None = None  # shared memory for same-host servers (transport/shm.py)
     base: BaseSend | None = None     # lora: adapter: the segments the base is served from
 
-    def publish(self, model: Weights, version: int) -> SyncResult | None:
-        if self.check is not None:
-            self.check.expect(model, version)  # a forward of the probe, when the check is due
-        return self.publisher.publish(model, version)
-
     def report(self, error: str) -> None:
         """An error of the sync (a failed check) for ``errors``."""
         self.publisher.report(error)
 
     @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (a ring and the delta baseline
-        blocking; snapshots async; the shared-memory segments same-host servers map)."""
-        return self.publisher.nbytes + (self.pool.allocated if self.pool is not None else 0)
-
-    @property
-    def host_buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers in host memory (a snapshot with ``snapshot: host``)."""
-        return self.publisher.host_nbytes
-
-    @property
-    def baseline_bytes(self) -> int:
-        """Of ``buffer_bytes``, those that hold the delta baseline."""
-        return self.publisher.baseline_nbytes
-
-    @property
-    def conversion_bytes(self) -> int:
-        return self.layout.scratch_bytes(self.plan) if self.layout is not None else 0
+    def footprint(self) -> Footprint:
+        """The sync's own buffers: the publisher's, the shared-memory segments same-host servers map,
+        and the most a version's conversion to the engines' layout allocates at once."""
+        pool = self.pool.allocated if self.pool is not None else 0
+        conversion = self.layout.scratch_bytes(self.plan) if self.layout is not None else 0
+        return self.publisher.footprint + Footprint(device=pool, conversion=conversion)
 
     def close(self) -> tuple[dict[str, int], list[str]]:
         """Drain (a background publisher: the last version reaches every server), part with the other

@@ -12,7 +12,7 @@ from __future__ import annotations
 from asyncsync.config import WeightSyncConfig
 from asyncsync.packing import PackBackend
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
 
 # Blocking mode: after a version whose deltas still sent more than PAYS_BELOW of its bytes (dense
 # updates: packing ahead, not hidden behind the wire, costs more than the bytes saved), this many
@@ -21,15 +21,15 @@ PAYS_BELOW = 0.5
 PROBE_EVERY = 8
 
 
-def keeps_baseline(config: WeightSyncConfig, packer: PackBackend, memberships: list[Membership]) -> bool:
-    """``delta: auto`` with checksums, a backend that encodes deltas, and a membership that can take
-    deltas (``Membership.takes_deltas``: every member rebuilds them and is reached over the data
+def keeps_baseline(config: WeightSyncConfig, packer: PackBackend, fleets: list[Fleet]) -> bool:
+    """``delta: auto`` with checksums, a backend that encodes deltas, and a fleet that can take
+    deltas (``Fleet.takes_deltas``: every member rebuilds them and is reached over the data
     plane; servers on shared memory map every version: no wire to save). A sharded trainer's
     buckets must be spread over its ranks: one whose every bucket goes through rank 0 would hold
-    the whole model there. Rank 0 decides (it holds the memberships) and tells the other ranks."""
-    spread = all(m.ranks.world == 1 or m.sources > 1 for m in memberships)
+    the whole model there. Rank 0 decides (it holds the fleets) and tells the other ranks."""
+    spread = all(f.ranks.world == 1 or f.sources > 1 for f in fleets)
     return (config.delta == "auto" and config.checksum and packer.encodes_deltas and spread
-            and any(m.takes_deltas() for m in memberships))
+            and any(f.takes_deltas() for f in fleets))
 
 
 class EncodeAhead:

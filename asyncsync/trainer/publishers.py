@@ -3,7 +3,7 @@ caller's thread and returns its ``SyncResult``; ``Background`` hands it to the `
 Both read the weights through the same ``WeightsReader`` and send through the rank's ``Role``; what
 differs is where the bytes are packed from (the live weights into a ring, or a snapshot).
 
-    publisher = Blocking(role, plan, reader, metrics, ring, shared, baseline)   # or Background(...)
+    publisher = Blocking(role, plan, reader, metrics, ring, shared, baseline, adapter)   # or Background(...)
     publisher.publish(model, version)    # blocking: SyncResult; background: None
     publisher.wait_snapshot()            # background: until the last version's snapshot copy is done
     publisher.close() -> errors          # background: drains the last version first
@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from asyncsync.metrics import SyncMetrics, SyncResult
+from asyncsync.metrics import Footprint, SyncMetrics, SyncResult
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.ranks import TrainerRankLost
 from asyncsync.trainer.buffers import Baseline, Prepacked, Ring, SharedSnapshot
@@ -24,7 +24,7 @@ from asyncsync.trainer.roles import Role
 from asyncsync.trainer.shards import Encoded, ShardedBuffers
 from asyncsync.trainer.source import Weights, WeightsReader
 from asyncsync.trainer.worker import SyncWorker
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
@@ -36,31 +36,25 @@ class Blocking:
     Its buckets: with a server on shared memory, the whole version packed into a leased segment
     (``shared``) before any server is told (they map it); with a delta baseline (``baseline``, or a
     sharded rank's own), packed and encoded ahead while deltas pay (``EncodeAhead``); otherwise the
-    ring, each bucket packed from the live weights just before its broadcast."""
+    ring, each bucket packed from the live weights just before its broadcast. Once a version is
+    sent, the role's check where due, and with ``adapter`` (``lora: adapter``) the engines' loads."""
 
     def __init__(self, role: Role, plan: BucketPlan, reader: WeightsReader, metrics: SyncMetrics,
-                 ring: Ring | ShardedBuffers, shared: tuple[SharedSnapshot, Membership] | None = None,
-                 baseline: Baseline | None = None):
-        self.role, self.plan, self.reader, self.metrics = role, plan, reader, metrics
+                 ring: Ring | ShardedBuffers, shared: tuple[SharedSnapshot, Fleet] | None = None,
+                 baseline: Baseline | None = None, adapter: bool = False):
+        self.role, self.plan, self.reader, self.metrics, self.adapter = role, plan, reader, metrics, adapter
+        (self.send,) = role.senders()  # a blocking sync sends every version to one fleet
         self.ring, self.baseline = ring, baseline
-        self.shared = shared  # the segment versions are packed into, and the membership of the servers that map it
+        self.shared = shared  # the segment versions are packed into, and the fleet of the servers that map it
         self.ahead = EncodeAhead()
         self.errors: list[str] = []  # a failed check (``trainer.verify``)
         self.lost: str | None = None  # why another trainer rank is gone
         self._last_version = 0
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of its buffers on the weights' device (a shared segment's are the pool's)."""
-        return sum(b.nbytes for b in (self.ring, self.baseline) if b is not None)
-
-    @property
-    def baseline_nbytes(self) -> int:
-        return sum(b.baseline_nbytes for b in (self.ring, self.baseline) if b is not None)
-
-    @property
-    def host_nbytes(self) -> int:
-        return self.ring.host_nbytes
+    def footprint(self) -> Footprint:
+        """Its buffers (a shared segment's are the pool's)."""
+        return self.ring.footprint + (self.baseline.footprint if self.baseline is not None else Footprint())
 
     def publish(self, model: Weights, version: int) -> SyncResult:
         if self.lost is not None:
@@ -73,7 +67,12 @@ class Blocking:
             source, packed_s = self._source(named, result)  # raises before anything is sent
             self._last_version = version
             self.metrics.count("published")
-            result = self.role.send(version, source, result)
+            told = self.send(version, source, result)
+            if told is not None:  # (None: rank 0 abandoned it, and raised)
+                result = told
+                self.role.checked(0, result)
+                if self.adapter:
+                    self.role.await_loads(result)
         except TrainerRankLost as e:  # a sharded trainer's ranks encode and send together
             self.lost = str(e)
             raise
@@ -85,9 +84,9 @@ class Blocking:
     def _source(self, named: dict[str, Any], result: SyncResult) -> tuple[BucketSource, float]:
         """This version's buckets (the class doc) and the seconds packed ahead."""
         if self.shared is not None:
-            segment, members = self.shared
-            members.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
-            if members.shared:
+            segment, fleet = self.shared
+            fleet.epochs.readmit()  # before choosing the buffers: a readmitted server may be on shared memory
+            if fleet.epochs.current.shared:
                 result.started = t0 = time.perf_counter()
                 segment.pack_all(named)
                 return segment.packed(), time.perf_counter() - t0
@@ -126,16 +125,8 @@ class Background:
         self.worker, self.reader = worker, reader
 
     @property
-    def nbytes(self) -> int:
-        return self.worker.nbytes
-
-    @property
-    def baseline_nbytes(self) -> int:
-        return self.worker.baseline_nbytes
-
-    @property
-    def host_nbytes(self) -> int:
-        return self.worker.host_nbytes
+    def footprint(self) -> Footprint:
+        return self.worker.footprint
 
     def publish(self, model: Weights, version: int) -> None:
         self.worker.publish(self.reader.read(model), version)  # the view is read here, on the trainer's thread

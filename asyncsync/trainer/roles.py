@@ -1,16 +1,17 @@
 """How one trainer rank takes part in each version, chosen once at ``connect``.
 
-``Leader`` is rank 0, or the only process: it talks to every server (its ``Membership``s, one per
-server with ``group_per_server``), sends each version (``transport.send``), checks it where due
+``Leader`` is rank 0, or the only process: it talks to every server (its ``Fleet``s, one per server
+with ``group_per_server``), sends each version (``transport.send``), checks it where due
 (``trainer.verify``), and decides for the other ranks. ``Follower`` is a sharded trainer's other
 rank: it sends the buckets it owns as rank 0 says (``transport.datapath.follow_version``) and hears
 every decision from rank 0 (``transport.commands``). Both answer the same questions, so nothing
 above them asks which rank it is:
 
-    role.senders()              one per membership: what the async worker sends each version with
-    role.send(v, source, r)     blocking mode's one version
-    role.pack_ahead(policy)     blocking mode: whether this version is packed (and encoded) ahead
+    role.senders()              one per fleet: ``send(version, source, result)``, the transport's own
+                                call (``send_version`` bound to a fleet, or ``follow_version``)
+    role.checked(i, result)     after sender ``i`` sent a version: the served check, where due (rank 0)
     role.await_loads(result)    blocking ``lora: adapter``: until the engines loaded the version
+    role.pack_ahead(policy)     blocking mode: whether this version is packed (and encoded) ahead
     role.server_versions()      the version each server serves; role.lowest(needed); role.reachable()
     role.close(lost)            the ranks part together (unless one is gone), the last loads end, the servers
                                 are released; returns their versions as they were then
@@ -18,6 +19,7 @@ above them asks which rank it is:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -31,19 +33,22 @@ from asyncsync.protocol.specs import BucketPlan
 from asyncsync.ranks import TrainerRankLost, TrainerRanks
 from asyncsync.trainer.delta import EncodeAhead
 from asyncsync.trainer.verify import ServedCheck
-from asyncsync.trainer.worker import Sender
 from asyncsync.transport.adapters import AdapterLoads
 from asyncsync.transport.commands import Command, Loading, PackAhead, Stop
 from asyncsync.transport.datapath import follow_version
-from asyncsync.transport.follower import Follower as FollowingRank
-from asyncsync.transport.follower import Stopped
-from asyncsync.transport.membership import Membership, lowest_member_version
-from asyncsync.transport.send import SLACK_S, send_version
+from asyncsync.transport.fleet import Fleet, lowest_member_version
+from asyncsync.transport.follower import FollowingRank, Stopped
+from asyncsync.transport.phases import SLACK_S
+from asyncsync.transport.send import send_version
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
 
 LOAD_ROUND_S = 0.5  # a blocking publish waits for adapter loads in rounds this long, every rank told after each
+
+# Sends one version from a source: the version's result (a sharded trainer's ranks other than 0 get
+# rank 0's, None when rank 0 abandoned it). Never raises for a server's failure.
+Sender = Callable[[int, BucketSource, SyncResult], "SyncResult | None"]
 
 
 class Role(ABC):
@@ -55,8 +60,8 @@ class Role(ABC):
     @abstractmethod
     def senders(self) -> list[Sender]: ...
 
-    def send(self, version: int, source: BucketSource, result: SyncResult) -> SyncResult:
-        return self.senders()[0](version, source, result)
+    def checked(self, index: int, result: SyncResult) -> None:
+        """After sender ``index`` sent ``result``'s version: nothing, unless rank 0's check is due."""
 
     @abstractmethod
     def pack_ahead(self, policy: EncodeAhead) -> bool: ...
@@ -81,29 +86,21 @@ class Role(ABC):
 
 
 class Leader(Role):
-    """Rank 0, or the only process: the servers are its (``members``, over ``control``)."""
+    """Rank 0, or the only process: the servers are its (``fleets``, over ``control``)."""
 
-    def __init__(self, ranks: TrainerRanks, config: WeightSyncConfig, plan: BucketPlan, members: list[Membership],
+    def __init__(self, ranks: TrainerRanks, config: WeightSyncConfig, plan: BucketPlan, fleets: list[Fleet],
                  control: ControlLoop, check: ServedCheck | None = None, loads: AdapterLoads | None = None):
         super().__init__(ranks, config, plan)
-        self.members, self.control, self.check, self.loads = members, control, check, loads
+        self.fleets, self.control, self.check, self.loads = fleets, control, check, loads
 
     def senders(self) -> list[Sender]:
-        return [lambda v, src, res, m=m: self._checked(m, send_version(m, v, self.plan, src, res, self.loads))
-                for m in self.members]
+        return [functools.partial(send_version, f, self.plan) for f in self.fleets]
 
-    def send(self, version: int, source: BucketSource, result: SyncResult) -> SyncResult:
-        result = super().send(version, source, result)
-        if self.loads is not None:
-            self.await_loads(result)
-        return result
-
-    def _checked(self, members: Membership, result: SyncResult) -> SyncResult:
+    def checked(self, index: int, result: SyncResult) -> None:
         """Once ``result``'s version is live: the check, where it is due (``trainer/verify.py``)."""
         if self.check is not None:
-            self.check.run(members, result.version,
+            self.check.run(self.fleets[index], result.version,
                            {u: v for u, v in result.server_versions.items() if v == result.version})
-        return result
 
     def pack_ahead(self, policy: EncodeAhead) -> bool:
         return self.ranks.from_leader(PackAhead(policy.ahead())).ahead
@@ -131,19 +128,22 @@ class Leader(Role):
         result.total_s = result.finished - result.started
 
     def server_versions(self) -> dict[str, int]:
-        return {u: v for m in self.members for u, v in m.server_versions.items()}
+        return {u: v for f in self.fleets for u, v in f.book.versions().items()}
 
     def staging_bytes(self) -> dict[str, int]:
         """What each server that says so stages a version in (``Arena``s; ``asyncsync_receiver_staging_bytes``)."""
-        staged = {e.url: e.staging_bytes(self.plan.total_bytes, m.server_ranks[e.url])
-                  for m in self.members for e in m.engines if e.url in m.server_ranks}
+        staged = {}
+        for f in self.fleets:
+            ranks = f.book.ranks()
+            staged.update({e.url: e.staging_bytes(self.plan.total_bytes, ranks[e.url]) for e in f.engines
+                           if e.url in ranks})
         return {u: n for u, n in staged.items() if n is not None}
 
     def lowest(self, needed: int) -> int:
-        return lowest_member_version(self.members, needed)
+        return lowest_member_version(self.fleets, needed)
 
     def reachable(self) -> bool:
-        return any(m.reachable() for m in self.members)
+        return any(f.reachable() for f in self.fleets)
 
     def close(self, lost: str | None) -> dict[str, int]:
         if self.ranks.world > 1 and lost is None:  # the ranks part together
@@ -151,8 +151,8 @@ class Leader(Role):
         if self.loads is not None:  # after the other ranks were let go: the last version's loads end
             self.loads.drain(self.config.deadlines.load_s + SLACK_S)
         versions = self.server_versions()
-        for m in self.members:
-            m.close()
+        for f in self.fleets:
+            f.close()
         self.control.close()
         return versions
 
@@ -167,13 +167,11 @@ class Follower(Role):
         self._last = last  # the metrics' last result: rank 0's answers, as told
 
     def senders(self) -> list[Sender]:
-        return [lambda v, src, res: follow_version(self.following, self.plan, src, self.config.checksum) or res]
+        return [self.follow]
 
-    def send(self, version: int, source: BucketSource, result: SyncResult) -> SyncResult:
-        followed = follow_version(self.following, self.plan, source, self.config.checksum)
-        if followed is not None and self.config.lora == "adapter":
-            self.await_loads(followed)
-        return followed or result
+    def follow(self, version: int, source: BucketSource, result: SyncResult) -> SyncResult | None:
+        """This rank's part of ``version`` (rank 0's result is returned: ``result`` stays as it was)."""
+        return follow_version(self.following, self.plan, self.config.checksum, version, source)
 
     def pack_ahead(self, policy: EncodeAhead) -> bool:
         return self.following.until(PackAhead).ahead

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from asyncsync.metrics import Footprint
 from asyncsync.packing import PackBackend
 from asyncsync.packing.checks import UnpackableTensor, memory_problem
 from asyncsync.packing.delta import Delta
@@ -192,8 +193,7 @@ class ShardedBuffers:
       the number of ranks.
 
     So a rank holds its own shards once (async) and two buckets at most on the device, plus its owned
-    buckets with deltas: never the model. ``nbytes`` is what lives on the weights' device,
-    ``host_nbytes`` a host snapshot.
+    buckets with deltas: never the model (``footprint``).
     """
 
     def __init__(self, plan: BucketPlan, layout: ShardLayout, ranks: Any, runtime: Any, checksum: bool,
@@ -229,24 +229,19 @@ class ShardedBuffers:
         self.version: int | None = None  # the version ``pack_all`` last packed
 
     @property
-    def nbytes(self) -> int:
-        """Bytes on the weights' device: the scratch, the slot (and its converted bucket), a device
-        snapshot and the delta baseline."""
-        device = self.scratch.numel() + self.slot.numel() + self.converted.numel() + self.baseline_nbytes
-        return device + (self.snapshot.numel() if self.snapshot is not None and not self.host_snapshot else 0)
+    def footprint(self) -> Footprint:
+        """On the weights' device: the scratch, the slot (and its converted bucket), a device snapshot
+        and the delta baseline; in host memory, a host snapshot."""
+        baseline = self.baseline.footprint if self.baseline is not None else Footprint()
+        snapshot = self.snapshot.numel() if self.snapshot is not None else 0
+        device = self.scratch.numel() + self.slot.numel() + self.converted.numel() + baseline.device
+        return Footprint(device=device + (0 if self.host_snapshot else snapshot),
+                         host=snapshot if self.host_snapshot else 0, baseline=baseline.baseline)
 
     @property
     def delta(self) -> bool:
         """These buffers keep a delta baseline (blocking mode then encodes ahead: ``encoding``)."""
         return self.baseline is not None
-
-    @property
-    def baseline_nbytes(self) -> int:
-        return self.baseline.nbytes if self.baseline is not None else 0
-
-    @property
-    def host_nbytes(self) -> int:
-        return self.snapshot.numel() if self.snapshot is not None and self.host_snapshot else 0
 
     def area(self, index: int) -> torch.Tensor:
         """This rank's pieces of bucket ``index`` in the snapshot."""

@@ -9,7 +9,8 @@ bytes are packed from (the live weights into a ring of a few buckets, or a snaps
 This class is the facade: ``connect`` (``trainer/connect.py``) builds a ``Connection``
 (``trainer/connection.py``) of this rank's ``Role`` (``trainer/roles.py``: rank 0 talks to the servers,
 a sharded trainer's other ranks follow it) and its ``Publisher`` (``trainer/publishers.py``: blocking
-or background), and every later call is handed to them.
+or background), and every later call is handed to them. A blocking ``publish`` is three calls from
+its first byte: this one, ``Blocking.publish`` and the transport's ``send_version``.
 
 With ``lora: adapter`` a PEFT model's versions are its adapter's tensors only (``trainer/adapter.py``):
 ``connect`` also has every server judge the adapter and sends the base once where it is not served,
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.metrics import SyncEvent, SyncMetrics, SyncResult
+from asyncsync.metrics import Footprint, SyncEvent, SyncMetrics, SyncResult
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.lora import version_name
 from asyncsync.protocol.specs import BucketPlan
@@ -40,7 +41,7 @@ from asyncsync.trainer.connection import Connection
 from asyncsync.trainer.layout import WeightLayout
 from asyncsync.trainer.roles import Leader
 from asyncsync.trainer.source import Convert, Weights
-from asyncsync.transport.membership import new_session
+from asyncsync.transport.fleet import new_session
 
 log = logging.getLogger(__name__)
 
@@ -95,28 +96,12 @@ class WeightSync:
         return self._packer
 
     @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers on the weights' device (a ring of buckets blocking, and the
-        delta baseline; snapshots async; the shared-memory segments same-host servers map)."""
-        return self.connection.buffer_bytes if self.connection is not None else 0
-
-    @property
-    def host_buffer_bytes(self) -> int:
-        """Bytes of the sync's own buffers in host memory (a snapshot with ``snapshot: host``)."""
-        return self.connection.host_buffer_bytes if self.connection is not None else 0
-
-    @property
-    def baseline_bytes(self) -> int:
-        """Bytes of the buffers that hold the delta baseline (part of ``buffer_bytes``): async mode's
-        snapshots themselves, blocking mode's one whole-version set beside the ring, a sharded
-        trainer's rank the buckets it owns; 0 without deltas."""
-        return self.connection.baseline_bytes if self.connection is not None else 0
-
-    @property
-    def conversion_bytes(self) -> int:
-        """The most bytes converting to the engines' layout allocates at once while a version is
-        packed (``trainer/layout.py``: copies such as fused experts' gate/up split), on the weights' device."""
-        return self.connection.conversion_bytes if self.connection is not None else 0
+    def footprint(self) -> Footprint:
+        """Bytes of the sync's own buffers (``metrics.Footprint``): on the weights' device (a ring of
+        buckets blocking, and the delta baseline; snapshots async; the shared-memory segments
+        same-host servers map), in host memory (a snapshot with ``snapshot: host``), and the most a
+        version's conversion to the engines' layout allocates at once. Zero before ``connect``."""
+        return self.connection.footprint if self.connection is not None else Footprint()
 
     def connect(self, model: Weights, convert: Convert | None = None) -> None:
         """Pick the pack backend, build the data-plane groups with every server (warmed up), decide
@@ -136,12 +121,13 @@ class WeightSync:
             raise RuntimeError("WeightSync.connect() was already called: close() it first, or use a new WeightSync")
         self.connection = c = connect(self.config, model, convert, self.metrics, self.session)
         self.plan, self.layout, self.ranks, self.runtime, self._packer = c.plan, c.layout, c.ranks, c.runtime, c.packer.name
-        self.metrics.allocated(c.buffer_bytes, c.host_buffer_bytes, c.conversion_bytes, c.baseline_bytes)
+        footprint = c.footprint
+        self.metrics.allocated(footprint)
         if isinstance(c.role, Leader):
             self.metrics.staging(c.role.staging_bytes())
         log.info("connected: %s mode, rank %d of %d, pack backend %s, %d bucket(s), %.1f MB of sync buffers on the "
                  "weights' device, %.1f MB in host memory", "async" if self.is_async else "blocking", c.ranks.rank,
-                 c.ranks.world, c.packer.name, len(c.plan.buckets), c.buffer_bytes / 1e6, c.host_buffer_bytes / 1e6)
+                 c.ranks.world, c.packer.name, len(c.plan.buckets), footprint.device / 1e6, footprint.host / 1e6)
 
     # -- the step boundary ----------------------------------------------------------------------
 
@@ -157,9 +143,12 @@ class WeightSync:
         Async mode: O(1), returns None; the sync happens in the background. Blocking mode: returns
         the ``SyncResult`` once every server applied ``version`` or failed to; ``result.failures`` and
         ``events`` say which server missed it and why."""
-        if self.connection is None:
+        c = self.connection
+        if c is None:
             raise RuntimeError("call WeightSync.connect(model) before publish()")
-        return self.connection.publish(model, version)
+        if c.check is not None:
+            c.check.expect(model, version)  # a forward of the probe, when the check is due
+        return c.publisher.publish(model, version)
 
     def adapter_name(self, version: int) -> str:
         """The name version ``version`` of the adapter is served under (``lora: adapter``): pass it to

@@ -12,7 +12,7 @@ differ beyond the tolerance is reported, or evicted::
     check = ServedCheck.of(config, model, metrics, report)   # at connect: the probe and tolerance
     check.expect(model, version)     # in publish, every rank (a forward): when the check is due
     ...the version is sent...
-    check.run(members, version, served)   # rank 0, after the apply (blocking) or the commit (the sender)
+    check.run(fleet, version, served)     # rank 0, after the apply (blocking) or the commit (the sender)
 
 A check is due at connect (the version the servers serve then must be the trainer's weights: start
 them from its checkpoint) and then at the first version published ``verify_every`` versions after the
@@ -42,7 +42,7 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.engines.base import Scored
 from asyncsync.metrics import SyncMetrics
 from asyncsync.models import score
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ServedCheck:
                 del self._expected[old]
         self.next_due = version + self.every
 
-    def run(self, members: Membership, version: int, served: dict[str, int]) -> dict[str, float]:
+    def run(self, fleet: Fleet, version: int, served: dict[str, int]) -> dict[str, float]:
         """Rank 0, once ``version`` is live on ``served`` (server -> the version it serves: the version
         itself, or at connect, 0, whatever each serves): ask each to score the probe, compare, report.
         Returns each server's largest difference (nats)."""
@@ -114,8 +114,8 @@ class ServedCheck:
                 del self._expected[old]
         if expected is None:
             return {}
-        engines = [e for e in members.members if e.url in served]
-        answers = members.call_all(engines, lambda e: e.score(self.tokens), "score")
+        engines = [e for e in fleet.epochs.current.members if e.url in served]
+        answers = fleet.epochs.call_all(engines, lambda e: e.score(self.tokens), "score")
         diffs: dict[str, float] = {}
         for url, answer in answers.items():
             if isinstance(answer, BaseException):
@@ -129,10 +129,10 @@ class ServedCheck:
             diffs[url] = diff
             self.metrics.checked(url, diff, diff > self.tolerance)
             if diff > self.tolerance:
-                self._diverged(members, url, answer.version, diff, at, expected, answer.logprobs)
+                self._diverged(fleet, url, answer.version, diff, at, expected, answer.logprobs)
         return diffs
 
-    def _diverged(self, members: Membership, url: str, version: int, diff: float, at: int, expected: list[float],
+    def _diverged(self, fleet: Fleet, url: str, version: int, diff: float, at: int, expected: list[float],
                   got: tuple[float, ...]) -> None:
         what = (f"{url} computes other log-probabilities than the trainer for version {version}: up to {diff:.3g} "
                 f"nats apart (tolerance {self.tolerance:.3g}), first at probe token {at} (trainer "
@@ -142,7 +142,7 @@ class ServedCheck:
         self.report(f"version {version}: {what}")
         log.error("verify: %s", what)
         if self.evict:
-            members.expel(url, f"diverged: {what}")
+            fleet.book.expelled(url, f"diverged: {what}")
 
 
 def _reshard(model: torch.nn.Module) -> None:

@@ -2,7 +2,7 @@
 
 Lifecycle, as the trainer's loop drives it (on every rank of a sharded trainer, like a collective)::
 
-    worker = SyncWorker(senders, plan, new_snapshot_buffers, streams, metrics, ranks, served)
+    worker = SyncWorker(senders, plan, new_snapshot_buffers, streams, metrics, ranks, served, checked)
     worker.wait_snapshot()          # before the parameters change: the last published version is copied
     worker.publish(view, version)   # O(1): a marker, a latest-wins slot, a wake-up (view: WeightsReader.read)
     worker.close()                  # drain: the last version taken reaches every server
@@ -38,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncsync.metrics import SyncMetrics, SyncResult
+from asyncsync.metrics import Footprint, SyncMetrics, SyncResult
 from asyncsync.protocol.specs import LAYOUT_REFUSED, BucketPlan
 from asyncsync.ranks import TrainerRanks, TrainerRankLost
+from asyncsync.trainer.roles import Sender
 from asyncsync.trainer.source import WeightsView
 from asyncsync.trainer.streams import Marker, StreamSet
 
@@ -48,21 +49,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Snapshot:
-    """One version in packed form: a flat buffer per bucket and each bucket's checksum."""
+class Slot:
+    """One snapshot's buffers and what the threads know of the version in them."""
 
-    buffers: Any  # a Snapshot kind (one process) or ShardedBuffers (a sharded trainer's rank, a host snapshot)
+    buffers: Any  # a Snapshot kind (trainer.buffers, one process) or ShardedBuffers (a sharded trainer's rank, a host snapshot)
     version: int = 0
     done: Marker = None  # the stream marker recorded after the copy
     sent: list[Marker] = field(default_factory=list)  # senders' markers after their broadcasts read it
     started: float = 0.0
     snapshot_s: float = 0.0
     taken: int = 0    # senders that took this version
-
-
-# Sends one version from a snapshot's source; returns the version's result (a sharded trainer's
-# ranks other than 0 get rank 0's). Never raises for a server's failure.
-Sender = Callable[[int, Any, SyncResult], SyncResult]
 
 
 @dataclass
@@ -77,9 +73,9 @@ class _State:
     """Everything the trainer and the threads share, guarded by one condition variable."""
 
     published: _Published | None = None          # the latest-wins slot publish() fills
-    ready: list[Snapshot | None] = field(default_factory=list)    # per sender: what it takes next (all the same newest snapshot)
-    sending: list[Snapshot | None] = field(default_factory=list)  # per sender: what it is sending
-    writing: Snapshot | None = None
+    ready: list[Slot | None] = field(default_factory=list)    # per sender: what it takes next (all the same newest snapshot)
+    sending: list[Slot | None] = field(default_factory=list)  # per sender: what it is sending
+    writing: Slot | None = None
     last_published: int = 0
     last_snapshot: int = 0
     last_marker: Marker = None
@@ -95,10 +91,11 @@ class SyncWorker:
 
     def __init__(self, senders: list[Sender], plan: BucketPlan, new_buffers: Callable[[], Any], streams: StreamSet,
                  metrics: SyncMetrics, ranks: TrainerRanks, served: Callable[[int], int],
+                 checked: Callable[[int, SyncResult], None] = lambda i, result: None,
                  reachable: Callable[[], bool] = lambda: True):
         self.senders, self.plan, self.streams, self.metrics = senders, plan, streams, metrics
-        self.ranks, self.served, self.reachable = ranks, served, reachable
-        self._sets = [Snapshot(new_buffers()) for _ in range(1 if len(senders) == 1 else len(senders) + 1)]
+        self.ranks, self.served, self.checked, self.reachable = ranks, served, checked, reachable
+        self._sets = [Slot(new_buffers()) for _ in range(1 if len(senders) == 1 else len(senders) + 1)]
         self._cond = threading.Condition()
         self._s = _State(ready=[None] * len(senders), sending=[None] * len(senders))
         self._threads = [threading.Thread(target=self._guarded, args=(self._snapshot_loop,), name="asyncsync-snapshot",
@@ -110,20 +107,10 @@ class SyncWorker:
             t.start()
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the snapshots and their buffers on the trainer's device: async mode's memory cost."""
-        return sum(s.buffers.nbytes for s in self._sets)
-
-    @property
-    def baseline_nbytes(self) -> int:
-        """Bytes of the snapshots' buffers that are the delta baseline (each version is encoded
-        against the one before it): the snapshots themselves, or a sharded rank's owned buckets."""
-        return sum(s.buffers.baseline_nbytes for s in self._sets)
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes of snapshots kept in host memory (``snapshot: host``)."""
-        return sum(s.buffers.host_nbytes for s in self._sets)
+    def footprint(self) -> Footprint:
+        """The snapshots' buffers: async mode's memory cost (the snapshots are the delta baseline,
+        each version encoded against the one before it, or a sharded rank's owned buckets are)."""
+        return sum((s.buffers.footprint for s in self._sets), Footprint())
 
     # -- trainer side ---------------------------------------------------------------------------
 
@@ -234,7 +221,7 @@ class SyncWorker:
 
     # -- snapshotter thread ---------------------------------------------------------------------
 
-    def _free(self) -> Snapshot | None:
+    def _free(self) -> Slot | None:
         """(Holding the lock.) A snapshot no sender is reading or about to read."""
         busy = {id(x) for x in [*self._s.sending, *self._s.ready] if x is not None}
         return next((s for s in self._sets if id(s) not in busy), None)
@@ -288,7 +275,7 @@ class SyncWorker:
                 self._s.last_marker = target.done
                 self._cond.notify_all()
 
-    def _take(self, item: _Published, target: Snapshot) -> None:
+    def _take(self, item: _Published, target: Slot) -> None:
         """Enqueue the copy of ``item`` into ``target``; on a device it is "taken" once queued."""
         t0 = time.perf_counter()
         named = item.view.tensors()
@@ -321,7 +308,10 @@ class SyncWorker:
                 t0 = time.perf_counter()
                 source = snap.buffers.packed()  # a sharded trainer's ranks encode their deltas here, together
                 result.pack_s = time.perf_counter() - t0
-                result = send(snap.version, source, result)
+                told = send(snap.version, source, result)
+                result = told or result
+                if told is not None:
+                    self.checked(i, result)
                 self.metrics.record(result)
                 if first:  # count a version once, however many senders carry it
                     self.metrics.count("sent" if result.server_versions else "failed")

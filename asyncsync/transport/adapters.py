@@ -6,7 +6,8 @@ version is done, hands every server that wrote it to ``AdapterLoads.offer``. Fro
 control loop's business alone::
 
     loads = AdapterLoads(name, config, session, max_staleness, control, metrics, load_s)
-    send_version(members, v, plan, source, adapter=loads)   # ..., then loads.offer(members, v, urls)
+    fleet.serve(AdapterVersions(loads))                  # the fleet's versions are the adapter's
+    send_version(fleet, v, plan, source)                 # ..., then loads.offer(engines, v, book.loaded)
     loads.wait(v, urls, timeout)                            # blocking mode: the loads of v, or None yet
     loads.drain(timeout)                                    # close(): every load offered has ended
 
@@ -87,27 +88,27 @@ class AdapterLoads:
     def path(self, url: str, version: int) -> str:
         return adapter_dir(self._server(url).slot, self.name, version)
 
-    def offer(self, engines: Iterable[EngineClient], version: int, served: dict[str, int]) -> None:
-        """``version`` was written on each of ``engines``: load it there (``served``, the membership's
-        versions by URL, gets each server's version once loaded). Returns at once."""
+    def offer(self, engines: Iterable[EngineClient], version: int, loaded: Callable[[str, int], None]) -> None:
+        """``version`` was written on each of ``engines``: load it there (``loaded(url, version)`` is
+        told of each load: the book's transition). Returns at once."""
         listed = [(e, self._server(e.url)) for e in engines]
 
         async def start() -> None:  # on the loop, so a task about to end cannot miss the new version
             for e, s in listed:
                 s.written = max(s.written, version)
                 if s.task is None or s.task.done():
-                    s.task = asyncio.ensure_future(self._run(e, s, served))
+                    s.task = asyncio.ensure_future(self._run(e, s, loaded))
 
         self.control.submit(start())
 
-    async def _run(self, engine: EngineClient, s: _Server, served: dict[str, int]) -> None:
+    async def _run(self, engine: EngineClient, s: _Server, loaded: Callable[[str, int], None]) -> None:
         while s.ended < s.written:
             version = s.loading = s.written
             try:
                 await asyncio.wait_for(engine.load_adapter(version_name(self.name, version), self.path(engine.url, version),
                                                            self.load_s), self.load_s)
                 s.loaded.add(version)
-                served[engine.url] = max(served.get(engine.url, 0), version)
+                loaded(engine.url, version)
                 await self._unload_old(engine, s, version)
             except (ServerError, asyncio.TimeoutError) as e:
                 reason = f"loading {version_name(self.name, version)} failed: {e or 'no answer within load_s'}"

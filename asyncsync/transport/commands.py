@@ -17,9 +17,10 @@ class Command:
 
 
 @dataclass(frozen=True)
-class Epoch(Command):
-    """A new epoch: drop the old groups and join this rank's (``specs_by_rank[rank]``, rank 0 forms
-    them with the servers meanwhile); every rank then reports whether its groups formed."""
+class NewEpoch(Command):
+    """A new epoch (``transport.epochs``): drop the old groups and join this rank's
+    (``specs_by_rank[rank]``, rank 0 forms them with the servers meanwhile); every rank then reports
+    whether its groups formed."""
 
     specs_by_rank: list[Any]
 
@@ -33,7 +34,7 @@ class Formed(Command):
 
 @dataclass(frozen=True)
 class Version(Command):
-    """Run one version's data path (``transport.send.follow_version``) as ``plan`` says (a
+    """Run one version's data path (``transport.datapath.follow_version``) as ``plan`` says (a
     ``VersionPlan``); None: no server is in a group, nothing to send."""
 
     plan: Any

@@ -2,8 +2,8 @@
 its deadline, then (rank 0) the checksum manifest.
 
     broken, crcs = DataPath(group, ranks, plan, source, ...).run()        # every rank
-    broken = finish_data_path(members, plan, broken, crcs, deadlines, frames)   # rank 0
-    result = follow_version(follower, plan, source, checksum)             # a sharded trainer's other ranks
+    broken = finish_data_path(ranks, group, plan, broken, crcs, ...)      # rank 0
+    result = follow_version(following, plan, checksum, version, source)   # a sharded trainer's other ranks
 
 A sharded trainer's ranks send each bucket's pieces to its owner, which broadcasts it; a single
 process broadcasts every bucket (its delta, where the version's ``DeltaVersion`` says so; the
@@ -30,8 +30,7 @@ from asyncsync.protocol.specs import Bucket, BucketPlan
 from asyncsync.protocol.wire import DeltaVersion
 from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.commands import Done, Version
-from asyncsync.transport.follower import Follower
-from asyncsync.transport.membership import Membership
+from asyncsync.transport.follower import FollowingRank
 from asyncsync.transport.sources import BucketSource
 from asyncsync.transport.topology import TrainerGroups
 
@@ -148,46 +147,50 @@ class DataPath:
             self.stopped = self.stopped or str(e)
 
 
-def finish_data_path(members: Membership, plan: BucketPlan, broken: str | PackFailed | None,
-                     crcs: dict[int, Any], deadlines: tuple[float, ...], frames: VersionFrames) -> str | PackFailed | None:
+def finish_data_path(ranks: TrainerRanks, group: TrainerGroups, plan: BucketPlan, broken: str | PackFailed | None,
+                     crcs: dict[int, Any], deadlines: tuple[float, ...], frames: VersionFrames, checksum: bool,
+                     epoch: int) -> str | PackFailed | None:
     """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest."""
-    ranks = members.ranks
     if ranks.world > 1:
-        outcomes = ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if members.config.checksum else {})) or []
+        outcomes = ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {})) or []
         for rank, (text, theirs) in enumerate(outcomes):
             if rank and text is not None and broken is None:
                 broken = PackFailed(RuntimeError(text[len(_PACK):])) if text.startswith(_PACK) else f"trainer rank {rank}: {text}"
             crcs.update(theirs)
-    if broken is None and members.config.checksum:
-        assert members.group is not None
+    if broken is None and checksum:
         try:
-            members.group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines), frames)
+            group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines), frames)
         except DataPlaneError as e:
             broken = str(e)
     if broken is not None and not isinstance(broken, PackFailed):
-        log.warning("data plane failed in epoch %d: %s", members.epoch, broken)
+        log.warning("data plane failed in epoch %d: %s", epoch, broken)
     return broken
 
 
-def follow_version(follower: Follower, plan: BucketPlan, source: BucketSource, checksum: bool) -> SyncResult | None:
-    """A sharded trainer's rank other than 0: its part of the version rank 0 announces next, and rank
-    0's result of it (None when rank 0 abandoned it); raises ``Stopped`` when rank 0 closes instead,
-    ``TrainerRankLost`` when a rank is gone, and what ``source`` raised when this rank could not pack
-    its pieces. Never raises for a server's failure."""
-    ranks = follower.ranks
-    announced = follower.until(Version).plan
+def follow_version(following: FollowingRank, plan: BucketPlan, checksum: bool, version: int,
+                   source: BucketSource) -> SyncResult | None:
+    """A sharded trainer's rank other than 0: its part of the version rank 0 announces next (every
+    rank publishes the same ``version``, like a collective; rank 0's plan says what is sent), and
+    rank 0's result of it (None when rank 0 abandoned it); raises ``Stopped`` when rank 0 closes
+    instead, ``TrainerRankLost`` when a rank is gone, and what ``source`` raised when this rank could
+    not pack its pieces. Never raises for a server's failure."""
+    ranks = following.ranks
+    announced = following.until(Version).plan
+    if announced is not None and announced.version != version:
+        raise RuntimeError(f"trainer rank {ranks.rank} published version {version}, rank 0 version {announced.version}: "
+                           "every rank publishes the same versions, in the same order")
     failed: PackFailed | None = None
-    if announced is not None and follower.group is not None:
-        broken, crcs = DataPath(follower.group, ranks, plan, source, None, announced.deadlines, announced.frames,
+    if announced is not None and following.group is not None:
+        broken, crcs = DataPath(following.group, ranks, plan, source, None, announced.deadlines, announced.frames,
                                 delta=announced.delta).run()
         ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
-            follower.drop_group(broken=True)  # rank 0 forms a new epoch (and tells this rank) before "done"
-    result = follower.until(Done).result
+            following.drop_group(broken=True)  # rank 0 forms a new epoch (and tells this rank) before "done"
+    told = following.until(Done).result
     if failed is not None:
         raise failed.cause
-    return result
+    return told
 
 
 def _outcome_text(broken: str | PackFailed | None) -> str | None:

@@ -2,7 +2,7 @@
 plan says, in the data-plane groups rank 0 forms with the servers.
 
 A follower talks to no server. Everything it does answers rank 0's commands
-(``transport/commands.py``: the one list of them), in the same order on every rank: an ``Epoch`` at
+(``transport/commands.py``: the one list of them), in the same order on every rank: a ``NewEpoch`` at
 any point is answered here; ``until`` returns the command the caller waits for.
 """
 
@@ -14,7 +14,7 @@ from typing import TypeVar
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.ranks import TrainerRanks
-from asyncsync.transport.commands import Command, Epoch, Failed, Formed, Stop
+from asyncsync.transport.commands import Command, Failed, Formed, NewEpoch, Stop
 from asyncsync.transport.topology import TrainerGroups, join_groups
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,9 @@ class ConnectFailed(RuntimeError):
     """Rank 0's ``connect`` failed (its own error says why); every other rank raises this."""
 
 
-class Follower:
+class FollowingRank:
+    """This rank's side of rank 0's commands (the module doc), and the data-plane groups it joined."""
+
     def __init__(self, ranks: TrainerRanks, runtime: Runtime):
         self.ranks, self.runtime = ranks, runtime
         self.group: TrainerGroups | None = None
@@ -38,7 +40,7 @@ class Follower:
         """Answer rank 0's epochs until it sends one of ``kinds``; ``Stopped`` when it closes."""
         while True:
             command = self.ranks.from_leader(None)
-            if isinstance(command, Epoch):
+            if isinstance(command, NewEpoch):
                 self._epoch(command)
             elif isinstance(command, kinds):
                 return command
@@ -50,7 +52,7 @@ class Follower:
                 raise RuntimeError(f"trainer rank {self.ranks.rank} expected {[k.__name__ for k in kinds]} from rank 0, "
                                    f"got {type(command).__name__}: the ranks called connect/publish/close in different orders")
 
-    def _epoch(self, epoch: Epoch) -> None:
+    def _epoch(self, epoch: NewEpoch) -> None:
         self.drop_group()
         group: TrainerGroups | None = None
         try:

@@ -9,6 +9,10 @@ server its rank 0) whose rendezvous store the trainer runs; a dead server breaks
     tree = RelayTree.plan(urls, fanout=RelayTree.auto_fanout(len(urls), buckets))
     tree.root, tree.below(url), tree.parent(url), tree.depth
 
+The relay's policy across versions lives here too: who ends early (``ends_early``), who is sent a
+version again after a hop failed (``to_repair``), and which relaying server moves to a leaf
+(``Relays.demote_slow``) for holding the servers below it.
+
 ``auto`` picks the fan-out with the least pipelined time in that model: a chain (1) while the servers
 do not outnumber the buckets by much, a wider tree when they do (a chain's last server waits one
 bucket-time per server above it; a node of a tree sends each bucket once per server below it).
@@ -16,9 +20,13 @@ bucket-time per server above it; a node of a tree sends each bucket once per ser
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MAX_AUTO_FANOUT = 8  # ``auto`` considers trees up to this wide
+SLOW_HOP = 4.0  # a relayed server whose hop took this many times the others' median is moved to a leaf
+SLOW_HOP_MIN_S = 0.2  # ... and only when its hop took at least this long (noise on fast versions)
 
 
 @dataclass(frozen=True)
@@ -76,29 +84,22 @@ class RelayTree:
 
 
 class Relays:
-    """One sender's relay across epochs: the current epoch's trees, the servers in the order every
-    tree takes them (``seniority``: the oldest members first, so a server that was evicted or demoted
-    comes back as a leaf), and whether the next version must re-plan (``replan``)."""
+    """One sender's relay across epochs: the servers in the order every tree takes them
+    (``seniority``: the oldest members first, so a server that was evicted or demoted comes back as
+    a leaf), and whether the next version must re-plan (``replan``). The trees themselves are the
+    current epoch's (``transport.epochs.Epoch.trees``)."""
 
     def __init__(self) -> None:
-        self.trees: tuple[RelayTree, ...] = ()
         self.seniority: list[str] = []
         self.replan = False
 
     def formed(self, trees: tuple[RelayTree, ...]) -> None:
-        self.trees = trees
         self.seniority += [u for t in trees for u in t.order if u not in self.seniority]
 
-    def evicted(self, url: str) -> None:
-        self.seniority = [u for u in self.seniority if u != url]
-
-    def relayed(self) -> set[str]:
-        """The servers that get versions from another server, not from the trainer."""
-        return self.in_trees() - {tree.root for tree in self.trees}
-
-    def in_trees(self) -> set[str]:
-        """Every server of a tree, its root included (not the trainer's other direct children)."""
-        return {u for tree in self.trees for u in tree.order}
+    def forget(self, urls: Iterable[str]) -> None:
+        """``urls`` were evicted: back, each is a leaf."""
+        gone = set(urls)
+        self.seniority = [u for u in self.seniority if u not in gone]
 
     def demote(self, url: str) -> bool:
         """Move ``url`` to the end of every tree from the next epoch on; False when it is there already."""
@@ -107,6 +108,43 @@ class Relays:
         self.seniority = [u for u in self.seniority if u != url] + [url]
         self.replan = True
         return True
+
+    def demote_slow(self, trees: tuple[RelayTree, ...], received: Mapping[str, float]) -> dict[str, float]:
+        """Demote the relaying servers that held the servers below them (``slow_hops``); each one
+        demoted now, with its hop over the median of the others."""
+        return {url: ratio for url, ratio in slow_hops(trees, received).items() if self.demote(url)}
+
+
+def ends_early(in_trees: set[str], engines: Iterable[Any], relayed_kind: bool) -> frozenset[str]:
+    """The servers sent ``end`` as soon as their ``update`` answered: those of a relay tree, whose
+    update answers once they verified the whole version (none receives in the background here), so a
+    slow server below never holds them; only for a kind of version a relay carries."""
+    return frozenset(e.url for e in engines if relayed_kind and e.url in in_trees and not e.receives_in_background)
+
+
+def to_repair(in_trees: set[str], here: Iterable[str], failed: Iterable[str], skip: Iterable[str]) -> set[str]:
+    """The servers of a tree still ``here`` that did not take a version (``failed``): a hop above them
+    died, failed or corrupted it (each verifies every bucket), so they are sent it again, once.
+    ``skip``: those that missed it for a reason of their own (shared memory, a refused layout); the
+    trainer's other direct children too."""
+    return (set(here) & in_trees & set(failed)) - set(skip)
+
+
+def slow_hops(trees: tuple[RelayTree, ...], received: Mapping[str, float]) -> dict[str, float]:
+    """The relayed servers that held the servers below them: each server's hop (when its update answered,
+    less when its parent's did) over ``SLOW_HOP`` times the median of the other hops, and longer than
+    ``SLOW_HOP_MIN_S``; each with its hop over that median. A slow root cannot be told from a slow
+    trainer link, and is left where it is."""
+    slow = {}
+    for tree in trees:
+        hops = {u: received[u] - received[p] for u in tree.order
+                if (p := tree.parent(u)) is not None and u in received and p in received}
+        for url, hop in hops.items():
+            others = sorted(h for u, h in hops.items() if u != url)
+            median = others[len(others) // 2] if others else 0.0
+            if others and tree.below(url) and hop > max(SLOW_HOP * median, SLOW_HOP_MIN_S):
+                slow[url] = hop / max(median, 1e-6)
+    return slow
 
 
 def _depth(servers: int, fanout: int) -> int:

@@ -1,17 +1,18 @@
 """The trainer's side of same-host transport: shared-memory segments, leased to the servers that map them.
 
     pool = SegmentPool(sizes)              # one per WeightSync; sweeps segments of dead trainers first
+    book.lease_from(pool)                  # each sender's book of servers: what they still map
     seg = pool.acquire(previous)           # a segment no server holds: packed into, then sent by name
     ... send_version: servers map it (``protocol/shm.py``), answer ``end`` with what they hold ...
-    pool.settle(url, holds)                # the segments that server still maps (its live weights)
-    pool.evicted(url)                      # a server that missed a deadline: its segments are retired
+    pool.retire(names)                     # an evicted server's segments: never written again
     pool.close()                           # unlink everything
 
 The lease: a segment is written only when no server holds it and no ``SharedSnapshot`` is bound to
-it (a version being sent). A server's holds come from its own answers; a server the trainer evicted
-(dead, hung or unreachable while it may still be reading) loses its lease, and every segment it
-held or was reading is *retired*: unlinked and never written again, so what a hung server maps
-stays intact, and no other server waits for it. Segments are named
+it (a version being sent). Who holds what is each server's record in its sender's book of servers
+(``transport.book``: the ``end`` answers); a server the trainer evicted (dead, hung or unreachable
+while it may still be reading) loses its lease, and every segment it held or was reading is
+*retired*: unlinked and never written again, so what a hung server maps stays intact, and no other
+server waits for it. Segments are named
 ``asyncsync-<trainer pid>-<token>-<n>``: ``close`` unlinks them; after a crash of the trainer its
 ``multiprocessing`` resource tracker (a separate process, unless the trainer was spawned by a process
 whose tracker it shares) unlinks them, a same-host reference server that maps one removes every
@@ -25,6 +26,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import torch
@@ -76,8 +78,8 @@ class SegmentPool:
         self._token = secrets.token_hex(4)
         self._count = 0
         self._segments: list[Segment] = []
-        self._holds: dict[str, frozenset[str]] = {}   # server url -> segment names it maps
-        self._lock = threading.Lock()                  # senders of several memberships settle concurrently
+        self._leases: list[Callable[[], frozenset[str]]] = []  # each book's segments its servers map
+        self._lock = threading.Lock()  # the senders of several books pack and retire concurrently
         for name in sweep_stale():
             log.warning("removed shared-memory segment %s of a trainer that no longer runs", name)
 
@@ -86,13 +88,17 @@ class SegmentPool:
         """Bytes of shared memory this pool holds (every segment not retired)."""
         return sum(s.nbytes for s in self._segments)
 
+    def track(self, leased: Callable[[], frozenset[str]]) -> None:
+        """``leased()`` names segments some server maps (a book of servers): never handed out."""
+        self._leases.append(leased)
+
     def acquire(self, previous: Segment | None = None) -> Segment:
         """A segment no server holds and nothing else is bound to (``previous``, the caller's last
         one, is unbound first, so it is reused when free); a new one if every segment is leased."""
         with self._lock:
             if previous is not None:
                 previous.bound = False
-            held = set().union(*self._holds.values()) if self._holds else set()
+            held = set().union(*(leased() for leased in self._leases))
             free = next((s for s in self._segments if not s.bound and s.name not in held), None)
             if free is None:
                 self._count += 1
@@ -104,18 +110,9 @@ class SegmentPool:
             free.bound = True
             return free
 
-    def settle(self, url: str, holds: frozenset[str]) -> None:
-        """What server ``url`` said it still maps (its ``end`` answer)."""
+    def retire(self, names: frozenset[str] | set[str]) -> None:
+        """Segments an evicted server held or was reading: unlinked, never written again."""
         with self._lock:
-            self._holds[url] = holds
-
-    def evicted(self, url: str, reading: str | None = None) -> None:
-        """Server ``url`` lost its lease (evicted at a deadline, or dead): retire what it held and
-        the segment ``reading`` it may still be reading, so no one ever rewrites bytes it maps."""
-        with self._lock:
-            names = set(self._holds.pop(url, frozenset()))
-            if reading is not None:
-                names.add(reading)
             for s in [s for s in self._segments if s.name in names]:
                 self._retire(s)
 
@@ -129,4 +126,4 @@ class SegmentPool:
         with self._lock:
             for s in self._segments:
                 s.close()
-            self._segments, self._holds = [], {}
+            self._segments = []

@@ -93,7 +93,8 @@ def test_a_delta_against_a_version_the_server_does_not_hold_is_refused(two_serve
         corrupt.armed = True
         nudge(model, v + 2)
         assert sync.publish(model, v + 2).server_versions == {}
-        sync.connection.role.members[0].baselines = {u: v + 2 for u in urls}  # the lie: both servers still hold v + 1
+        for u in urls:  # the lie, told to the book: both servers still hold v + 1
+            sync.connection.role.fleets[0].book.took(u, v + 2)
         nudge(model, v + 3)
         wrong = sync.publish(model, v + 3)
         assert wrong.delta_base == v + 2 and wrong.server_versions == {}

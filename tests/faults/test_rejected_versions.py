@@ -91,7 +91,7 @@ def test_bad_version_is_rejected_and_old_weights_keep_serving(server, trainer, b
     assert good["version"] == tokens["weight_version"] == version
 
     named = bad.get("edit", dict)(fresh_weights(version + 1))
-    last = len(BucketPlan.from_tensors(named.items(), trainer.members.config.bucket_bytes).buckets) - 1
+    last = len(BucketPlan.from_tensors(named.items(), trainer.fleet.config.bucket_bytes).buckets) - 1
     wrap = (lambda source: FlipAByte(source, last)) if bad.get("flip_a_byte") else None
     result = trainer.send(named, version + 1, wrap=wrap)
     assert refused(result, server.url, reason), result.failures

@@ -1,0 +1,290 @@
+"""Epochs: the data-plane groups over the servers of a book, formed again whenever the servers change.
+
+An epoch (``Epoch``, a value) is one set of data-plane groups over one set of servers (group name
+``<group_name>.<token>.<epoch>``, ``token`` the random part of the trainer session, so that a
+restarted trainer never reuses a name a server still holds; fresh ports after the first epoch).
+``Epochs.form`` makes one in four steps::
+
+    claim    ask each candidate its data-plane ranks and whose shared memory it sees, and claim it
+             for this trainer session (a server another live trainer owns is a conflict)
+    layout   the groups (``transport.topology.GroupLayout``): per receiver protocol, with a relay its trees
+    join     the servers join concurrently while the trainer joins as rank 0 (a sharded trainer's
+             other ranks join theirs: ``transport.follower``)
+    agree    every rank formed its groups and every server answered: the epoch is current; else the
+             servers that failed are evicted and the rest try again
+
+Between versions (``start_version``): the servers ``expelled`` are evicted, servers ``park``ed by a
+repair come back, a re-planned relay takes effect, and evicted servers are probed at most every
+``readmit_interval_s`` (``readmit``): one that answers rejoins and gets the next version whole.
+A new epoch also starts whenever a server is evicted or a collective fails (``transport.send``).
+What happens to each server is written in the book (``transport.book``), never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from asyncsync.config import WeightSyncConfig
+from asyncsync.control import ControlLoop, ServerError, gather
+from asyncsync.engines.base import EngineClient, UnsupportedServer
+from asyncsync.protocol.device import Runtime
+from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.shm import HostIdentity
+from asyncsync.protocol.wire import OWNED_STATUS
+from asyncsync.ranks import TrainerRanks
+from asyncsync.transport.book import ServerBook
+from asyncsync.transport.commands import Formed, NewEpoch
+from asyncsync.transport.kinds import VersionKind
+from asyncsync.transport.relay import Relays, RelayTree
+from asyncsync.transport.topology import GroupLayout, TrainerGroups
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One epoch's servers and groups: ``members`` in config order, of which ``shared`` map versions
+    from shared memory (no group); ``group``, the trainer's rank 0 in the others' groups (None: none
+    formed, or dropped after a failure); ``trees``, the relay trees (``fanout``)."""
+
+    number: int = 0
+    members: tuple[EngineClient, ...] = ()
+    shared: frozenset[str] = frozenset()
+    group: TrainerGroups | None = None
+    trees: tuple[RelayTree, ...] = ()
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.members]
+
+    def in_trees(self) -> set[str]:
+        """Every server of a relay tree, its root included (not the trainer's other direct children)."""
+        return {u for tree in self.trees for u in tree.order}
+
+    def relayed(self) -> set[str]:
+        """The servers that get versions from another server, not from the trainer."""
+        return self.in_trees() - {tree.root for tree in self.trees}
+
+
+class Epochs:
+    """The epochs of one sender's servers (the module doc); ``current`` is the one versions go to."""
+
+    def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: Sequence[EngineClient],
+                 book: ServerBook, runtime: Runtime, ranks: TrainerRanks, kind: VersionKind, session: str,
+                 sources: int = 1, buckets: int = 1):
+        self.config, self.control, self.engines, self.book = config, control, tuple(engines), book
+        self.token = session.rsplit(":", 1)[-1]  # the random part of the trainer session: names its groups
+        self.runtime, self.ranks, self.kind, self.sources, self.buckets = runtime, ranks, kind, sources, buckets
+        self.current = Epoch()
+        self.relays = Relays()  # the servers' order in every relay tree, across epochs
+        self.conflicts: dict[str, str] = {}  # of the last form: servers another trainer session owns
+        self.parked: tuple[EngineClient, ...] = ()  # members sitting out a repair's epoch (``park``)
+        self._next_probe = 0.0
+
+    def serve(self, kind: VersionKind) -> None:
+        """From now on a server's version is ``kind``'s (``lora: adapter``: its newest adapter version)."""
+        self.kind = kind
+        self.refresh()
+
+    # -- form: claim, layout, join, agree --------------------------------------------------------
+
+    def form(self, candidates: Sequence[EngineClient], refuse_unsupported: bool = False, takeover: bool = False) -> None:
+        """(Re)build the groups over the candidates that answer and are this session's to claim
+        (``takeover``: even from a live owner), in config order; evict the others (with
+        ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join)."""
+        self.drop()
+        self.conflicts = {}
+        alive = self._claim(list(candidates), refuse_unsupported, takeover)
+        shared = self.book.shared()
+        retried = False
+        formed = Epoch(self.current.number)
+        while alive:
+            number = formed.number + 1
+            wired = [e for e in alive if e.url not in shared]
+            if not wired:  # every server maps versions from shared memory: no data-plane group (a single
+                # trainer process: no follower rank waits for an epoch)
+                formed = Epoch(number, tuple(alive), frozenset(e.url for e in alive))
+                log.info("epoch %d: %d server(s) on shared memory, no data-plane group", number, len(alive))
+                break
+            layout = self._layout(number, wired)
+            group, answers, port_taken = self._join(layout, wired)
+            still = self._drop_unreachable(wired, answers)
+            if self._agree(group is not None, len(still) == len(wired)):
+                assert group is not None
+                formed = Epoch(number, tuple(alive), frozenset(e.url for e in alive if e.url in shared), group,
+                               layout.trees)
+                log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", number,
+                         [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
+                         "".join(f"; relay {t.describe()}" for t in layout.trees))
+                self.relays.formed(layout.trees)
+                break
+            formed = Epoch(number)
+            if group is not None:
+                group.close(broken=True)
+            if len(still) == len(wired):  # everyone answered yet the group did not form
+                if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
+                    retried = True
+                    continue
+                for e in wired:
+                    self.book.unreachable(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
+                still = []
+            alive = [e for e in alive if e.url in shared or e in still]
+        self.current = formed
+        for e in formed.members:
+            self.book.rejoined(e.url, formed.number)
+        self.refresh()
+
+    def _claim(self, candidates: list[EngineClient], refuse_unsupported: bool, takeover: bool) -> list[EngineClient]:
+        """The candidates that answer (on this host with ``transport: shm``), claimed for this session;
+        each one's ranks and whether it maps shared memory go into the book."""
+        sizes = self.call_all(candidates, lambda e: e.world_size(), "world_size")
+        unsupported = [r for r in sizes.values() if isinstance(r, UnsupportedServer)]
+        if refuse_unsupported and unsupported:
+            raise unsupported[0]
+        alive = self._drop_unreachable(candidates, sizes)
+        shared = self._same_host(alive, refuse_unsupported)  # before any claim: it may refuse the config
+        for e in alive:
+            self.book.claimed(e.url, sizes[e.url], e.url in shared)
+        if self.config.transport == "shm":
+            alive = [e for e in alive if e.url in shared]  # the others were evicted: not on this host
+        claims = self.call_all(alive, lambda e: e.claim(takeover), "claim")
+        return self._drop_unreachable(alive, claims)
+
+    def _layout(self, number: int, wired: list[EngineClient]) -> GroupLayout:
+        cfg = self.config
+        # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
+        epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.token}.{number}",
+                                master_port=cfg.master_port if number == 1 else 0)
+        self.relays.forget(self.book.evicted())  # an evicted server comes back as a leaf
+        return GroupLayout.of(epoch_cfg, wired, self.book.ranks(), self.runtime, self.sources, self.buckets,
+                              self.relays.seniority)
+
+    def _join(self, layout: GroupLayout, wired: list[EngineClient]
+              ) -> tuple[TrainerGroups | None, dict[str, Any], bool]:
+        """Every server joins concurrently while this rank joins as rank 0 (the other trainer ranks
+        join theirs); the trainer's groups (None: they did not form), every server's answer, and
+        whether the trainer's port was taken meanwhile."""
+        cfg = self.config
+        self.ranks.from_leader(NewEpoch([layout.specs_for(r) for r in range(self.ranks.world)]))
+        joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
+        group: TrainerGroups | None = None
+        port_taken = False
+        try:
+            group = layout.join()  # returns once every server's ranks joined
+        except DataPlaneError as e:
+            log.warning("epoch forming failed: %s", e)
+            port_taken = "EADDRINUSE" in str(e)
+        return group, joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s), port_taken
+
+    def _agree(self, formed_here: bool, every_server: bool) -> bool:
+        """Whether every trainer rank formed its groups and every server joined; every rank is told."""
+        formed = all(self.ranks.gather_objects(formed_here) or [])
+        self.ranks.from_leader(Formed(formed and every_server))
+        return formed and every_server
+
+    def _same_host(self, engines: list[EngineClient], refuse: bool) -> set[str]:
+        """The servers that get versions through shared memory (``transport``; docs in configs/default.yaml):
+        those on this host, for a single trainer process with weights in host memory. With
+        ``transport: shm`` a server known to be elsewhere raises ``UnsupportedServer`` (``refuse``, at
+        connect) or is evicted."""
+        cfg = self.config
+        if cfg.transport == "collective" or self.runtime.kind != "host" or self.ranks.world > 1 or not engines:
+            if cfg.transport == "shm" and engines:
+                raise UnsupportedServer(engines[0].url, "transport: shm needs weights in host memory and one trainer "
+                                                        "process; use transport: auto or collective")
+            return set()
+        here = HostIdentity.here()
+        refusals: dict[str, UnsupportedServer] = {}
+        for e in engines if cfg.transport == "shm" else ():
+            if not e.protocol.shared_memory:  # SGLang: its update_weights_from_tensor path is not done
+                refusals[e.url] = UnsupportedServer(e.url, f"a {e.kind} server cannot receive through shared memory; "
+                                                           "use transport: auto (it then gets the collective) or collective")
+        engines = [e for e in engines if e.protocol.shared_memory]
+        hosts = self.call_all(engines, lambda e: e.host_identity(), "host")
+        shared = set()
+        for e in engines:
+            host = hosts[e.url]
+            if isinstance(host, BaseException):
+                host = None  # it is evicted by the next call it fails
+            if here is not None and host == here or (cfg.transport == "shm" and host is None):
+                shared.add(e.url)
+            elif cfg.transport == "shm":
+                refusals[e.url] = UnsupportedServer(e.url, f"is not on this host (it sees {host}, the trainer {here}), "
+                                                           "but the config says transport: shm; use transport: auto")
+        for url, error in refusals.items():
+            if refuse:
+                raise error
+            self.book.unreachable(url, str(error))
+        return shared
+
+    def refresh(self) -> None:
+        """Ask every member the version it serves (the kind's: its weights', or its newest adapter's)."""
+        versions = self.call_all(self.current.members, self.kind.served, "version")
+        for url, version in versions.items():
+            if not isinstance(version, BaseException):
+                self.book.reported(url, version)
+
+    def call_all(self, engines: Sequence[EngineClient], call: Any, what: str) -> dict[str, Any]:
+        """``call`` on every engine concurrently, each within ``http_s``; results or exceptions by URL."""
+        return self.control.call_all(engines, call, what, self.config.deadlines.http_s)
+
+    def _drop_unreachable(self, engines: list[EngineClient], answers: dict[str, Any]) -> list[EngineClient]:
+        """Evict the engines whose answer is a failure (another owner's claim is a conflict); the others."""
+        kept = []
+        for e in engines:
+            answer = answers[e.url]
+            if isinstance(answer, ServerError) and answer.status == OWNED_STATUS:
+                self.conflicts[e.url] = str(answer)
+            if isinstance(answer, BaseException):
+                self.book.unreachable(e.url, str(answer) or type(answer).__name__)
+            else:
+                kept.append(e)
+        return kept
+
+    # -- between and after versions --------------------------------------------------------------
+
+    def start_version(self) -> None:
+        """Before a version: evict the members ``expelled`` (readmitted, as any evicted server, once
+        ``readmit_interval_s`` passed and it answers), take the ``parked`` ones back, re-plan a relay
+        that must be; then probe the evicted servers (``readmit``)."""
+        out = self.book.take_expelled()
+        if out:
+            self._next_probe = time.monotonic() + self.config.readmit_interval_s
+        if out or self.parked or self.relays.replan:
+            self.relays.replan = False
+            back, self.parked = set(self.parked), ()
+            self.form([e for e in self.engines if (e in self.current.members or e in back) and e.url not in out])
+        self.readmit()
+
+    def park(self, repair: Sequence[EngineClient]) -> None:
+        """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
+        other members sit it out (``parked``) until the next version starts."""
+        self.parked = tuple(e for e in self.current.members if e not in repair)
+        self.form(repair)
+
+    def readmit(self) -> None:
+        """Probe evicted servers (rate-limited); a new epoch with those that answer."""
+        now = time.monotonic()
+        evicted = self.book.evicted()
+        if not evicted or now < self._next_probe:
+            return
+        self._next_probe = now + self.config.readmit_interval_s
+        out = [e for e in self.engines if e.url in evicted]
+        probes = self.call_all(out, lambda e: e.health(), "health")
+        back = [e for e in out if not isinstance(probes[e.url], BaseException)]
+        if back:
+            self.form([e for e in self.engines if e in self.current.members or e in back])
+
+    def rebuild(self, lost: Sequence[str] = ()) -> None:
+        """A new epoch over the members not in ``lost`` (after a failed collective or an eviction)."""
+        self.form([e for e in self.current.members if e.url not in set(lost)])
+
+    def drop(self, broken: bool = False) -> None:
+        """Abandon the current epoch's groups; ``broken`` after a failed collective (they are aborted)."""
+        if self.current.group is not None:
+            self.current.group.close(broken)
+        self.current = replace(self.current, group=None, trees=())

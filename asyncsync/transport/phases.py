@@ -1,0 +1,101 @@
+"""The HTTP phases of one version on one server, each within its own deadline, run on the control loop.
+
+    phases = Phases(kind, http_s, buckets, ends_early)
+    future = control.submit(phases.begin_and_update(engine, request))   # before the first broadcast
+    ...the data path...
+    answers = collect({url: future}, phases.update_s(engines))          # after the last one
+    served = await phases.end(engine, version)
+
+Each phase has its own deadline, ``engine.calls(phase, buckets) x http_s`` (vLLM's ``begin`` is two
+calls with its pause, SGLang's ``update`` one per bucket), enforced inside the control loop; a phase
+that fails or misses it is followed by ``abort`` (resume generation, close an update session), so no
+server is left paused. A server in ``ends_early`` (a relayed one) is sent ``end`` as soon as its
+``update`` answered: it serves the version then, not once the slowest server received it. The
+trainer's waits on the control loop (``collect``) are derived from these deadlines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from asyncsync.control import ServerError, within
+from asyncsync.engines.base import EngineClient, Phase
+from asyncsync.protocol.wire import UpdateRequest
+from asyncsync.transport.kinds import VersionKind
+
+log = logging.getLogger(__name__)
+
+SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines inside it
+
+
+class Phases:
+    """One version's calls to its servers (the module doc): what each server answered and when."""
+
+    def __init__(self, kind: VersionKind, http_s: float, buckets: int, ends_early: frozenset[str] = frozenset()):
+        self.kind, self.http_s, self.buckets, self.ends_early = kind, http_s, buckets, ends_early
+        # When each server's update answered yes, for a relay's slow hops (not background receivers).
+        self.received: dict[str, float] = {}
+        self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
+
+    def deadline(self, e: EngineClient, phase: Phase) -> float:
+        return e.calls(phase, self.buckets) * self.http_s
+
+    def update_s(self, engines: Sequence[EngineClient]) -> float:
+        """How long ``begin_and_update`` may take on any of ``engines``, its abort included."""
+        return max((self.deadline(e, "begin") + self.deadline(e, "update") + self.deadline(e, "abort")
+                    + (self.deadline(e, "end") if e.url in self.ends_early else 0.0) for e in engines), default=0.0)
+
+    def end_s(self, engines: Sequence[EngineClient]) -> float:
+        return max((self.deadline(e, "end") + self.deadline(e, "abort") for e in engines), default=0.0)
+
+    def abort_s(self, engines: Sequence[EngineClient]) -> float:
+        return max((self.deadline(e, "abort") for e in engines), default=0.0)
+
+    async def begin_and_update(self, e: EngineClient, request: UpdateRequest) -> None:
+        try:
+            await within(e.url, self.kind.begin(e, request.version), self.deadline(e, "begin"), "begin")
+            await within(e.url, self.kind.update(e, request), self.deadline(e, "update"), "update")
+            if self.kind.relayed and not e.receives_in_background:  # its answer says when the version reached it
+                self.received[e.url] = time.perf_counter()
+        except Exception:
+            await self.abort(e, request.version)
+            raise
+        if e.url in self.ends_early:  # it serves the version now, not once the slowest received it
+            try:
+                self.ended[e.url] = await self.end(e, request.version)
+            except Exception as error:  # ``end`` aborted it; the version's failure, not the update's
+                self.ended[e.url] = error
+
+    async def end(self, e: EngineClient, version: int) -> int:
+        try:
+            return await within(e.url, self.kind.end(e, version), self.deadline(e, "end"), "end")
+        except Exception:
+            await self.abort(e, version)
+            raise
+
+    async def abort(self, e: EngineClient, version: int) -> None:
+        """Undo the server's open policies; its own failure is logged, never raised over the first."""
+        try:
+            await within(e.url, e.abort(version), self.deadline(e, "abort"), "abort")
+        except ServerError as err:
+            log.warning("%s", err)
+
+
+def collect(futures: dict[str, concurrent.futures.Future[Any]], within_s: float) -> dict[str, Any]:
+    """Each server's result (or exception) of one phase run in the control loop. The phase carries its
+    own deadline, so this wait only guards against a bug: past it, a server still pending has failed."""
+    out: dict[str, Any] = {}
+    give_up = time.monotonic() + within_s + SLACK_S
+    for url, future in futures.items():
+        try:
+            out[url] = future.result(max(0.0, give_up - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            out[url] = ServerError(url, f"no answer within {within_s:.1f}s", timed_out=True)
+        except Exception as e:  # the phase's own failure
+            out[url] = e
+    return out

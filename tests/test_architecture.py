@@ -4,6 +4,7 @@ pack backend chosen before any server is touched, and one layout policy for both
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import subprocess
@@ -302,27 +303,30 @@ def test_the_layer_check_sees_a_cycle_an_upward_import_and_an_unplaced_module():
 
 
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60  # what a reader holds at once (docs/design.md, "Sizes")
+MARGIN = 0.05  # a limit is a floor of hygiene, not a target to fill: nothing ends within 5% of it
 
 
-def size_problems(sources: dict[str, str]) -> list[str]:
+def size_problems(sources: dict[str, str], margin: float = 0.0) -> list[str]:
     """Classes over ``MAX_CLASS_LINES`` and functions (methods included) over ``MAX_FUNCTION_LINES``,
-    docstrings counted, in ``sources`` (module name -> its code)."""
+    docstrings counted, in ``sources`` (module name -> its code); with ``margin``, those within that
+    fraction of the limit too."""
     problems = []
     for module, code in sources.items():
         for node in ast.walk(ast.parse(code)):
             limit = {ast.ClassDef: MAX_CLASS_LINES, ast.FunctionDef: MAX_FUNCTION_LINES,
                      ast.AsyncFunctionDef: MAX_FUNCTION_LINES}.get(type(node))
-            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+            allowed = int(limit * (1 - margin)) if limit is not None else 0
+            if limit is not None and node.end_lineno - node.lineno + 1 > allowed:
                 kind = "class" if isinstance(node, ast.ClassDef) else "function"
                 problems.append(f"{module}: {kind} {node.name} is {node.end_lineno - node.lineno + 1} lines "
-                                f"(at most {limit})")
+                                f"(at most {allowed})")
     return problems
 
 
 def test_no_class_or_function_of_the_package_is_longer_than_a_reader_can_hold():
     sources = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
     assert len(sources) > 50, "the package was not read"
-    assert size_problems(sources) == []
+    assert size_problems(sources, MARGIN) == []
 
 
 def test_the_size_check_sees_a_long_class_and_a_long_method():
@@ -333,6 +337,11 @@ def test_the_size_check_sees_a_long_class_and_a_long_method():
     assert size_problems({"asyncsync.long": code}) == [
         f"asyncsync.long: class Long is {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})",
         f"asyncsync.long: function method is {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
+    near = int(MAX_FUNCTION_LINES * (1 - MARGIN)) + 1  # within 5% of the limit, under it
+    code = "def near():\n" + "\n".join(f"    x{i} = {i}" for i in range(near - 1)) + "\n"
+    assert size_problems({"asyncsync.near": code}) == []
+    assert size_problems({"asyncsync.near": code}, MARGIN) == [
+        f"asyncsync.near: function near is {near} lines (at most {near - 1})"]
 
 
 def redefinitions(sources: dict[str, str]) -> list[str]:
@@ -351,3 +360,66 @@ def test_no_module_of_the_package_defines_a_function_or_class_twice():
     assert redefinitions(sources) == []
     assert redefinitions({"asyncsync.twice": "def f():\n    pass\n\n\ndef f():\n    pass\n"}) == [
         "asyncsync.twice: f is defined 2 times"]  # the check sees one
+
+
+# -- a server's state: written by the book's transitions only ------------------------------------
+
+BOOK = "asyncsync.transport.book"
+
+
+def state_writers(sources: dict[str, str]) -> list[str]:
+    """Places outside the book that could write a server's state: a ``ServerRecord`` made or replaced,
+    the book's records reached past its transitions, or a frozen record's attribute forced
+    (``object.__setattr__``)."""
+    problems = []
+    for module, code in sources.items():
+        if module == BOOK:
+            continue
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Attribute) and node.attr == "_records":
+                problems.append(f"{module}:{node.lineno} reaches the book's records")
+            elif isinstance(node, ast.Call):
+                called = ast.unparse(node.func)
+                if called.split(".")[-1] == "ServerRecord":
+                    problems.append(f"{module}:{node.lineno} makes a ServerRecord")
+                elif called.split(".")[-1] == "replace" and any("record" in ast.unparse(a).lower() for a in node.args):
+                    problems.append(f"{module}:{node.lineno} replaces a ServerRecord")
+                elif called == "object.__setattr__" and ast.unparse(node.args[0]) != "self":  # a value's own __post_init__ may
+                    problems.append(f"{module}:{node.lineno} forces an attribute of a frozen value")
+    return sorted(problems, key=lambda p: int(p.split(":")[1].split()[0]))
+
+
+def test_no_module_outside_the_server_book_writes_a_servers_state():
+    """What the trainer knows of each server (its version, delta baseline, refusal, lease, eviction)
+    lives in ``transport/book.py``'s records and changes only through the book's named transitions."""
+    from asyncsync.metrics import SyncMetrics
+    from asyncsync.transport.book import ServerBook, ServerRecord
+
+    sources = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert BOOK in sources and state_writers(sources) == []
+    record = ServerRecord("http://a")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.version = 3  # type: ignore[misc]
+    book = ServerBook(["http://a"], SyncMetrics())
+    book.versions()["http://a"] = 9  # a read is a copy: writing it changes nothing
+    book.baselines()["http://a"] = 9
+    assert book.record("http://a") == record
+    public = {n for n in vars(ServerBook) if not n.startswith("_")}
+    reads = {"record", "versions", "baselines", "refusing", "evicted", "shared", "ranks", "leased", "lease_from"}
+    transitions = {"claimed", "reported", "took", "wrote", "loaded", "refused", "missed", "unreachable", "expelled",
+                   "take_expelled", "rejoined"}
+    assert public == reads | transitions, "every public method of the book is a read or a named transition"
+
+
+def test_the_state_check_sees_each_way_around_the_book():
+    """Negative control: each kind of write from outside the book is reported."""
+    code = ("from asyncsync.transport.book import ServerRecord\n"
+            "import dataclasses\n"
+            "def lie(book, record):\n"
+            "    book._records['u'] = ServerRecord('u', version=9)\n"
+            "    dataclasses.replace(record, baseline=3)\n"
+            "    object.__setattr__(record, 'version', 4)\n")
+    assert state_writers({"asyncsync.trainer.liar": code}) == [
+        "asyncsync.trainer.liar:4 makes a ServerRecord", "asyncsync.trainer.liar:4 reaches the book's records",
+        "asyncsync.trainer.liar:5 replaces a ServerRecord", "asyncsync.trainer.liar:6 forces an attribute of a frozen value"]
+    assert state_writers({BOOK: code}) == [], "the book itself may"

@@ -1,4 +1,7 @@
-"""The one small protocol every inference engine speaks to the trainer."""
+"""The trainer's client of an inference server: ``EngineClient``, the base every engine kind's client
+builds on (its HTTP pool, its identity, the defaults of what a kind may leave out). What each part of
+the trainer needs of a server is one small Protocol of ``engines/protocols.py``; the adapter calls'
+defaults are ``engines/adapters.py``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from asyncsync.config import ServerConfig
-from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
+from asyncsync.engines.adapters import AdapterDefaults
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import GroupSpec, LayoutCheck, UpdateRequest
 from asyncsync.control import CLIENT_KEEPALIVE_S, HttpClient, ServerError
@@ -71,7 +74,7 @@ ASYNCSYNC_PROTOCOL = DataPlaneProtocol("asyncsync", warmup=True, checksum_manife
                                        relay=True)
 
 
-class EngineClient(ABC):
+class EngineClient(AdapterDefaults, ABC):
     """The trainer's view of one inference server.
 
     Contract, per server and in this order::
@@ -220,45 +223,6 @@ class EngineClient(ABC):
         engine with the weights it serves, as it would sample; ``UnsupportedServer`` where it cannot."""
         raise UnsupportedServer(self.url, f"{self.kind} servers cannot score tokens: use verify: off")
 
-    # -- lora: adapter ----------------------------------------------------------------------------
-
-    async def check_adapter(self, check: AdapterCheck) -> str | None:
-        """At ``connect``: None when the server can serve ``check``'s adapter on its base, with
-        ``check.loaded`` versions loaded at once; else why not and what to change (the flag to set).
-        Engines without adapter support keep this default refusal."""
-        return f"a {self.kind} server cannot load LoRA adapters at run time: use lora: merged"
-
-    async def serves_base(self, check: BaseCheck) -> bool | None:
-        """At ``connect``: whether the server serves exactly ``check``'s base tensors (False: it is
-        sent the base once); None where it cannot tell and cannot be sent one either (it is assumed to)."""
-        return None
-
-    async def begin_adapter(self, version: int) -> None:
-        """Prepare to receive adapter version ``version`` (nothing to pause: no weights change)."""
-
-    async def update_adapter(self, update: AdapterUpdate) -> None:
-        """Like ``update``, for an adapter version: answered after the receiver verified it (or at
-        once: ``receives_in_background``)."""
-        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
-
-    async def end_adapter(self, version: int) -> None:
-        """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``)."""
-        raise ServerError(self.url, "this server cannot receive adapter versions", status=400)
-
-    # vLLM's routes (the reference server takes them too): POST /v1/load_lora_adapter {lora_name, lora_path},
-    # /v1/unload_lora_adapter {lora_name}; GET /v1/models lists every adapter loaded by name.
-
-    async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:
-        """Load the PEFT directory ``path`` into the engine as ``name``, through the engine's own API."""
-        await self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s)
-
-    async def unload_adapter(self, name: str) -> None:
-        await self.http.post("/v1/unload_lora_adapter", {"lora_name": name})
-
-    async def adapter_versions(self, name: str) -> list[int]:
-        """The versions of adapter ``name`` the engine serves (as ``<name>-v<N>``)."""
-        return served_versions(await self.http.get("/v1/models"), name)
-
     async def health(self) -> None:
         """Return if the server answers ``GET /health`` with success; raise ``ServerError`` otherwise."""
         await self.http.get("/health")
@@ -283,11 +247,3 @@ def parse_weight_version(url: str, value: Any) -> int:
     except (TypeError, ValueError):
         raise ServerError(url, f"reports weight version {value!r}, which asyncsync did not set: "
                                "versions set by asyncsync are integers") from None
-
-
-def served_versions(models: Any, name: str) -> list[int]:
-    """The versions of adapter ``name`` in an OpenAI-style model list (``GET /v1/models``: vLLM,
-    SGLang and the reference server list every loaded adapter by its name)."""
-    data = models.get("data", []) if isinstance(models, dict) else []
-    found = (parse_version_name(str(m.get("id", "")), name) for m in data if isinstance(m, dict))
-    return sorted(v for v in found if v is not None)

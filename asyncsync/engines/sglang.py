@@ -19,8 +19,9 @@ import logging
 from typing import Any
 
 from asyncsync.config import ServerConfig
+from asyncsync.engines.adapters import served_versions
 from asyncsync.engines.base import (
-    DataPlaneProtocol, EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version, served_versions,
+    DataPlaneProtocol, EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version,
 )
 from asyncsync.engines.reference import ReferenceEngine
 from asyncsync.protocol.lora import AdapterCheck, BaseCheck, adapter_targets, parse_version_name

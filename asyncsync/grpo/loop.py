@@ -25,7 +25,7 @@ import torch
 
 from asyncsync.config import ServerConfig, WeightSyncConfig
 from asyncsync.grpo.config import GRPOConfig
-from asyncsync.grpo.rollout import Group, RolloutClient
+from asyncsync.grpo.rollout import RolloutGroup, RolloutClient
 from asyncsync.grpo.task import ANSWER_LEN, Problem, sample_problems
 from asyncsync.metrics import SyncMetrics, SyncResult
 from asyncsync.models import build_model
@@ -82,7 +82,7 @@ class RunSummary:
         return asdict(self)
 
 
-def grpo_loss(policy: torch.nn.Module, groups: Sequence[Group], rewards: Sequence[Sequence[float]],
+def grpo_loss(policy: torch.nn.Module, groups: Sequence[RolloutGroup], rewards: Sequence[Sequence[float]],
               old_logp: torch.Tensor | None, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped policy-gradient loss with group-normalised advantages; returns (loss, token logprobs)."""
     ids = torch.tensor([list(g.prompt) + list(c) for g in groups for c in g.completions])
@@ -239,7 +239,7 @@ def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, opt
           sync: TrainerSync, rollouts: RolloutClient | None, rng: random.Random, rank: int = 0, world: int = 1) -> StepRecord:
     t0 = time.perf_counter()
     kept: list[Problem] = []
-    groups: list[Group] = []
+    groups: list[RolloutGroup] = []
     dropped = 0
     if rank == 0:
         assert rollouts is not None
@@ -278,12 +278,12 @@ def _step(cfg: GRPOConfig, step: int, version: int, policy: torch.nn.Module, opt
 
 
 def _fresh_groups(cfg: GRPOConfig, problems: list[Problem], version: int, sync: TrainerSync,
-                  rollouts: RolloutClient, seed: int) -> tuple[list[Group | None], int]:
+                  rollouts: RolloutClient, seed: int) -> tuple[list[RolloutGroup | None], int]:
     """Sample every prompt's group; drop groups older than ``max_staleness`` and resample them once
     every server is fresh enough (only async mode can fall that far behind)."""
     sampled = rollouts.sample([p.prompt for p in problems], cfg.group_size, ANSWER_LEN, cfg.temperature, seed)
     fresh, dropped = sync.filter_fresh(sampled, lambda g: g.version, trainer_version=version)
-    groups: list[Group | None] = [g if g in fresh else None for g in sampled]
+    groups: list[RolloutGroup | None] = [g if g in fresh else None for g in sampled]
     stale = [i for i, g in enumerate(groups) if g is None]
     if stale:
         if not sync.wait_for_fresh_servers(version, timeout=cfg.weight_sync.deadlines.http_s):

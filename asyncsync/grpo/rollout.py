@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from asyncsync.config import ServerConfig
 from asyncsync.control import ControlLoop
 from asyncsync.engines import make_engine
-from asyncsync.engines.base import EngineClient
+from asyncsync.engines.protocols import Generator
 
 
 @dataclass(frozen=True)
-class Group:
+class RolloutGroup:
     """The completions of one prompt, from one server, generated with weight version ``version``."""
 
     prompt: tuple[int, ...]
@@ -27,15 +27,15 @@ class RolloutClient:
 
     def __init__(self, servers: Sequence[ServerConfig], timeout_s: float):
         self._control = ControlLoop()
-        self._engines: list[EngineClient] = [make_engine(s, timeout_s) for s in servers]
+        self._engines: list[Generator] = [make_engine(s, timeout_s) for s in servers]
 
-    def sample(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, seed: int) -> list[Group]:
-        async def one(i: int, prompt: Sequence[int]) -> Group:
+    def sample(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, seed: int) -> list[RolloutGroup]:
+        async def one(i: int, prompt: Sequence[int]) -> RolloutGroup:
             engine = self._engines[i % len(self._engines)]
             gen = await engine.generate(list(prompt), n, max_new_tokens, temperature, seed + i)
-            return Group(tuple(prompt), tuple(tuple(c) for c in gen.completions), gen.version, engine.url)
+            return RolloutGroup(tuple(prompt), tuple(tuple(c) for c in gen.completions), gen.version, engine.url)
 
-        async def all_groups() -> list[Group]:
+        async def all_groups() -> list[RolloutGroup]:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
         return self._control.run(all_groups())

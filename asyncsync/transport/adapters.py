@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncsync.engines.base import EngineClient
+from asyncsync.engines.protocols import AdapterHost
 from asyncsync.protocol.lora import AdapterVersion, adapter_dir, version_name
 from asyncsync.metrics import SyncMetrics
 from asyncsync.control import ControlLoop, ServerError
@@ -88,7 +88,7 @@ class AdapterLoads:
     def path(self, url: str, version: int) -> str:
         return adapter_dir(self._server(url).slot, self.name, version)
 
-    def offer(self, engines: Iterable[EngineClient], version: int, loaded: Callable[[str, int], None]) -> None:
+    def offer(self, engines: Iterable[AdapterHost], version: int, loaded: Callable[[str, int], None]) -> None:
         """``version`` was written on each of ``engines``: load it there (``loaded(url, version)`` is
         told of each load: the book's transition). Returns at once."""
         listed = [(e, self._server(e.url)) for e in engines]
@@ -101,7 +101,7 @@ class AdapterLoads:
 
         self.control.submit(start())
 
-    async def _run(self, engine: EngineClient, s: _Server, loaded: Callable[[str, int], None]) -> None:
+    async def _run(self, engine: AdapterHost, s: _Server, loaded: Callable[[str, int], None]) -> None:
         while s.ended < s.written:
             version = s.loading = s.written
             try:
@@ -123,7 +123,7 @@ class AdapterLoads:
                     self._cond.notify_all()
                 self.on_change()
 
-    async def _unload_old(self, engine: EngineClient, s: _Server, newest: int) -> None:
+    async def _unload_old(self, engine: AdapterHost, s: _Server, newest: int) -> None:
         """Unload the versions more than ``max_staleness`` behind ``newest`` (each failure logged)."""
         for old in sorted(v for v in s.loaded if v < newest - self.max_staleness):
             try:

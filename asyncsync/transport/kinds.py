@@ -19,9 +19,10 @@ adapter version it serves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from asyncsync.engines.base import EngineClient
+from asyncsync.engines.protocols import AdapterReceiver, WeightReceiver
 from asyncsync.metrics import SyncResult
 from asyncsync.protocol.lora import AdapterUpdate
 from asyncsync.protocol.wire import UpdateRequest
@@ -30,7 +31,8 @@ from asyncsync.transport.book import ServerBook
 
 
 class VersionKind(ABC):
-    """The calls of one kind of version (the module doc)."""
+    """The calls of one kind of version (the module doc); each kind calls the engine through its own
+    Protocol (``engines.protocols``: ``WeightReceiver``, ``AdapterReceiver``)."""
 
     relayed: ClassVar[bool]  # with a relay, its servers end as soon as they received it and are repaired
 
@@ -38,13 +40,13 @@ class VersionKind(ABC):
     async def served(self, engine: EngineClient) -> int: ...
 
     @abstractmethod
-    async def begin(self, engine: EngineClient, version: int) -> None: ...
+    async def begin(self, engine: Any, version: int) -> None: ...
 
     @abstractmethod
-    async def update(self, engine: EngineClient, request: UpdateRequest) -> None: ...
+    async def update(self, engine: Any, request: UpdateRequest) -> None: ...
 
     @abstractmethod
-    async def end(self, engine: EngineClient, version: int) -> int: ...
+    async def end(self, engine: Any, version: int) -> int: ...
 
     @abstractmethod
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:
@@ -62,13 +64,13 @@ class Weights(VersionKind):
     async def served(self, engine: EngineClient) -> int:
         return await engine.version()
 
-    async def begin(self, engine: EngineClient, version: int) -> None:
+    async def begin(self, engine: WeightReceiver, version: int) -> None:
         await engine.begin(version)
 
-    async def update(self, engine: EngineClient, request: UpdateRequest) -> None:
+    async def update(self, engine: WeightReceiver, request: UpdateRequest) -> None:
         await engine.update(request)
 
-    async def end(self, engine: EngineClient, version: int) -> int:
+    async def end(self, engine: WeightReceiver, version: int) -> int:
         return await engine.end(version)
 
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:
@@ -92,13 +94,13 @@ class AdapterVersions(VersionKind):
     async def served(self, engine: EngineClient) -> int:
         return max(await engine.adapter_versions(self.loads.name), default=0)
 
-    async def begin(self, engine: EngineClient, version: int) -> None:
+    async def begin(self, engine: AdapterReceiver, version: int) -> None:
         await engine.begin_adapter(version)
 
-    async def update(self, engine: EngineClient, request: UpdateRequest) -> None:
+    async def update(self, engine: AdapterReceiver, request: UpdateRequest) -> None:
         await engine.update_adapter(AdapterUpdate(request, self.loads.target(engine.url, request.version)))
 
-    async def end(self, engine: EngineClient, version: int) -> int:
+    async def end(self, engine: AdapterReceiver, version: int) -> int:
         await engine.end_adapter(version)
         return version  # written; served once loaded
 

@@ -21,7 +21,7 @@ from asyncsync.models import build_model
 from asyncsync.protocol.ownership import OwnedByAnotherTrainer, TrainerOwnership
 from asyncsync.protocol.wire import ClaimRequest, WireError
 from asyncsync.receivers.reference.app import ReferenceServer
-from asyncsync.transport.membership import TrainerConflict
+from asyncsync.transport.fleet import TrainerConflict
 
 from conftest import TINY
 from helpers import ThreadedServer, digest

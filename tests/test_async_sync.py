@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncsync import WeightSync, WeightSyncConfig
+from asyncsync.metrics import Footprint
 from asyncsync.testing import Faults, ServerProcess, mixed_dtype_model, running
 
 from conftest import TINY
@@ -190,7 +191,7 @@ def test_a_layout_every_server_refuses_is_an_error_and_nobody_waits_for_it(slow_
 class GatedBuffers:
     """A snapshot whose packing waits for ``packing``: the test decides when a copy ends."""
 
-    nbytes = host_nbytes = 0
+    footprint = Footprint()
 
     def __init__(self, packing: threading.Event):
         self.packing, self.entered = packing, threading.Event()

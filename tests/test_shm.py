@@ -81,7 +81,7 @@ def test_the_reference_server_serves_from_the_mapping_and_segments_are_reused_un
             assert sync.publish(model, v).server_versions == {ts.url: v}
             (held,) = server.receiver.holds
             names.append(held)
-            assert sync.connection.pool._holds[ts.url] == {held}, "the trainer knows what the server maps"
+            assert sync.connection.role.fleets[0].book.record(ts.url).lease == {held}, "the trainer knows what the server maps"
             assert digest(server.model) == digest(model)
         # Zero copy: the live weights are views of the segment the server holds.
         live = server.model.lm_head.weight

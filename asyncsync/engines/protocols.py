@@ -4,11 +4,11 @@ Every engine kind's client (``EngineClient``, one per server) is all of these; e
 only the one it uses, as vLLM's ``VLLMWeightSyncClient`` names the four calls of a weight update::
 
     DataPlaneMember   transport.epochs   world_size, claim, host_identity, init_group, release
-    WeightReceiver    transport.phases   begin, update, end, abort (a version of the weights)
-    LayoutJudge       trainer.connect    expected_names, check_layout, staging_bytes (asked at connect)
+    UpdateTarget      transport.phases   begin, update, end, abort (a version of the weights)
+    ConnectChecks     trainer.connect    expected_names, check_layout, check_adapter, serves_base, staging_bytes
     Generator         grpo, verify, TRL  generate, score, version, health
-    AdapterReceiver   transport.kinds    check_adapter, begin_adapter, update_adapter, end_adapter
-    AdapterHost       transport.adapters serves_base, load_adapter, unload_adapter, adapter_versions
+    AdapterReceiver   transport.kinds    begin_adapter, update_adapter, end_adapter (a version of an adapter)
+    AdapterHost       transport.adapters load_adapter, unload_adapter, adapter_versions
 
 Each call raises ``ServerError`` naming the server on failure; ``EngineClient``'s docstring gives
 the order the trainer calls them in.
@@ -52,7 +52,7 @@ class DataPlaneMember(Server, Protocol):
     async def release(self) -> None: ...
 
 
-class WeightReceiver(Server, Protocol):
+class UpdateTarget(Server, Protocol):
     """One version of the weights (``transport.phases``); ``calls`` bounds each phase's deadline, and
     what the last ``end`` left: ``holds`` (shared-memory segments still mapped), ``last_switch_s``."""
 
@@ -73,13 +73,17 @@ class WeightReceiver(Server, Protocol):
     async def abort(self, version: int) -> None: ...
 
 
-class LayoutJudge(Server, Protocol):
-    """What ``connect`` asks before the first version: the names, whether the plan would be refused,
-    and what the server stages a version in."""
+class ConnectChecks(Server, Protocol):
+    """What ``connect`` asks before the first version: the names, whether the plan (or the adapter)
+    would be refused, whether the base is served already, and what the server stages a version in."""
 
     async def expected_names(self) -> frozenset[str] | None: ...
 
     async def check_layout(self, check: LayoutCheck) -> str | None: ...
+
+    async def check_adapter(self, check: AdapterCheck) -> str | None: ...
+
+    async def serves_base(self, check: BaseCheck) -> bool | None: ...
 
     def staging_bytes(self, version_bytes: int, ranks: int) -> int | None: ...
 
@@ -100,8 +104,6 @@ class Generator(Server, Protocol):
 class AdapterReceiver(Server, Protocol):
     """One version of an adapter (``lora: adapter``), verified and written by the receiver."""
 
-    async def check_adapter(self, check: AdapterCheck) -> str | None: ...
-
     async def begin_adapter(self, version: int) -> None: ...
 
     async def update_adapter(self, update: AdapterUpdate) -> None: ...
@@ -110,9 +112,7 @@ class AdapterReceiver(Server, Protocol):
 
 
 class AdapterHost(Server, Protocol):
-    """The engine's own adapter API: which base it serves, loading and unloading versions."""
-
-    async def serves_base(self, check: BaseCheck) -> bool | None: ...
+    """The engine's own adapter API: loading, unloading and listing versions."""
 
     async def load_adapter(self, name: str, path: str, timeout_s: float) -> None: ...
 

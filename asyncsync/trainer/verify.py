@@ -6,7 +6,7 @@ loaded weights (prepacked expert kernels, absorbed attention matrices, tied or b
 version can be reported loaded while that state is stale, or a parameter it loads is never read.
 Comparing bytes cannot see it; comparing what both sides compute does. So, now and then, the trainer
 scores a fixed probe of ``PROBE_TOKENS`` tokens with its own module and every server scores the same
-tokens with the weights it serves (``EngineClient.score``), and a server whose log-probabilities
+tokens with the weights it serves (``Generator.score``, ``engines/protocols.py``), and a server whose log-probabilities
 differ beyond the tolerance is reported, or evicted::
 
     check = ServedCheck.of(config, model, metrics, report)   # at connect: the probe and tolerance
@@ -40,6 +40,7 @@ import torch
 
 from asyncsync.config import WeightSyncConfig
 from asyncsync.engines.base import Scored
+from asyncsync.engines.protocols import Generator
 from asyncsync.metrics import SyncMetrics
 from asyncsync.models import score
 from asyncsync.transport.fleet import Fleet
@@ -114,7 +115,7 @@ class ServedCheck:
                 del self._expected[old]
         if expected is None:
             return {}
-        engines = [e for e in fleet.epochs.current.members if e.url in served]
+        engines: list[Generator] = [e for e in fleet.epochs.current.members if e.url in served]
         answers = fleet.epochs.call_all(engines, lambda e: e.score(self.tokens), "score")
         diffs: dict[str, float] = {}
         for url, answer in answers.items():

@@ -31,6 +31,7 @@ from typing import Any
 from asyncsync.config import WeightSyncConfig
 from asyncsync.control import ControlLoop, ServerError, gather
 from asyncsync.engines.base import EngineClient, UnsupportedServer
+from asyncsync.engines.protocols import DataPlaneMember
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.shm import HostIdentity
@@ -163,7 +164,7 @@ class Epochs:
         return GroupLayout.of(epoch_cfg, wired, self.book.ranks(), self.runtime, self.sources, self.buckets,
                               self.relays.seniority)
 
-    def _join(self, layout: GroupLayout, wired: list[EngineClient]
+    def _join(self, layout: GroupLayout, wired: list[DataPlaneMember]
               ) -> tuple[TrainerGroups | None, dict[str, Any], bool]:
         """Every server joins concurrently while this rank joins as rank 0 (the other trainer ranks
         join theirs); the trainer's groups (None: they did not form), every server's answer, and
@@ -186,7 +187,7 @@ class Epochs:
         self.ranks.from_leader(Formed(formed and every_server))
         return formed and every_server
 
-    def _same_host(self, engines: list[EngineClient], refuse: bool) -> set[str]:
+    def _same_host(self, engines: list[DataPlaneMember], refuse: bool) -> set[str]:
         """The servers that get versions through shared memory (``transport``; docs in configs/default.yaml):
         those on this host, for a single trainer process with weights in host memory. With
         ``transport: shm`` a server known to be elsewhere raises ``UnsupportedServer`` (``refuse``, at

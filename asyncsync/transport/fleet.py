@@ -32,6 +32,7 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.control import ControlLoop, gather
 from asyncsync.engines import make_engine
 from asyncsync.engines.base import EngineClient
+from asyncsync.engines.protocols import ConnectChecks
 from asyncsync.metrics import SyncMetrics
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.ownership import OWNER_SAYS
@@ -150,7 +151,7 @@ class Fleet:
         """Asked at connect: each member that would refuse a plan sending ``specs``, and why."""
         return self.refusals(lambda e: e.check_layout(LayoutCheck(specs)), "check_layout")
 
-    def refusals(self, call: Callable[[EngineClient], Awaitable[str | None]], what: str) -> dict[str, str]:
+    def refusals(self, call: Callable[[ConnectChecks], Awaitable[str | None]], what: str) -> dict[str, str]:
         """Each member's refusal (``call``'s answer: None, or why not) of what connect asks; a server
         that fails to answer is logged and counted as one that cannot tell (it still refuses a bad version)."""
         answers = self.call_members(call, what)

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from asyncsync.engines.base import EngineClient
-from asyncsync.engines.protocols import AdapterReceiver, WeightReceiver
+from asyncsync.engines.protocols import AdapterReceiver, UpdateTarget
 from asyncsync.metrics import SyncResult
 from asyncsync.protocol.lora import AdapterUpdate
 from asyncsync.protocol.wire import UpdateRequest
@@ -32,7 +32,7 @@ from asyncsync.transport.book import ServerBook
 
 class VersionKind(ABC):
     """The calls of one kind of version (the module doc); each kind calls the engine through its own
-    Protocol (``engines.protocols``: ``WeightReceiver``, ``AdapterReceiver``)."""
+    Protocol (``engines.protocols``: ``UpdateTarget``, ``AdapterReceiver``)."""
 
     relayed: ClassVar[bool]  # with a relay, its servers end as soon as they received it and are repaired
 
@@ -64,13 +64,13 @@ class Weights(VersionKind):
     async def served(self, engine: EngineClient) -> int:
         return await engine.version()
 
-    async def begin(self, engine: WeightReceiver, version: int) -> None:
+    async def begin(self, engine: UpdateTarget, version: int) -> None:
         await engine.begin(version)
 
-    async def update(self, engine: WeightReceiver, request: UpdateRequest) -> None:
+    async def update(self, engine: UpdateTarget, request: UpdateRequest) -> None:
         await engine.update(request)
 
-    async def end(self, engine: WeightReceiver, version: int) -> int:
+    async def end(self, engine: UpdateTarget, version: int) -> int:
         return await engine.end(version)
 
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:

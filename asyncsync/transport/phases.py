@@ -24,7 +24,7 @@ from typing import Any
 
 from asyncsync.control import ServerError, within
 from asyncsync.engines.base import Phase
-from asyncsync.engines.protocols import WeightReceiver
+from asyncsync.engines.protocols import UpdateTarget
 from asyncsync.protocol.wire import UpdateRequest
 from asyncsync.transport.kinds import VersionKind
 
@@ -42,21 +42,21 @@ class Phases:
         self.received: dict[str, float] = {}
         self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
 
-    def deadline(self, e: WeightReceiver, phase: Phase) -> float:
+    def deadline(self, e: UpdateTarget, phase: Phase) -> float:
         return e.calls(phase, self.buckets) * self.http_s
 
-    def update_s(self, engines: Sequence[WeightReceiver]) -> float:
+    def update_s(self, engines: Sequence[UpdateTarget]) -> float:
         """How long ``begin_and_update`` may take on any of ``engines``, its abort included."""
         return max((self.deadline(e, "begin") + self.deadline(e, "update") + self.deadline(e, "abort")
                     + (self.deadline(e, "end") if e.url in self.ends_early else 0.0) for e in engines), default=0.0)
 
-    def end_s(self, engines: Sequence[WeightReceiver]) -> float:
+    def end_s(self, engines: Sequence[UpdateTarget]) -> float:
         return max((self.deadline(e, "end") + self.deadline(e, "abort") for e in engines), default=0.0)
 
-    def abort_s(self, engines: Sequence[WeightReceiver]) -> float:
+    def abort_s(self, engines: Sequence[UpdateTarget]) -> float:
         return max((self.deadline(e, "abort") for e in engines), default=0.0)
 
-    async def begin_and_update(self, e: WeightReceiver, request: UpdateRequest) -> None:
+    async def begin_and_update(self, e: UpdateTarget, request: UpdateRequest) -> None:
         try:
             await within(e.url, self.kind.begin(e, request.version), self.deadline(e, "begin"), "begin")
             await within(e.url, self.kind.update(e, request), self.deadline(e, "update"), "update")
@@ -71,14 +71,14 @@ class Phases:
             except Exception as error:  # ``end`` aborted it; the version's failure, not the update's
                 self.ended[e.url] = error
 
-    async def end(self, e: WeightReceiver, version: int) -> int:
+    async def end(self, e: UpdateTarget, version: int) -> int:
         try:
             return await within(e.url, self.kind.end(e, version), self.deadline(e, "end"), "end")
         except Exception:
             await self.abort(e, version)
             raise
 
-    async def abort(self, e: WeightReceiver, version: int) -> None:
+    async def abort(self, e: UpdateTarget, version: int) -> None:
         """Undo the server's open policies; its own failure is logged, never raised over the first."""
         try:
             await within(e.url, e.abort(version), self.deadline(e, "abort"), "abort")

@@ -107,7 +107,7 @@ class FramedReceive:
         else:
             crc = bucket_crc(self.payloads[j]) if self.req.checksum else None
             if self.ring is not None:
-                self.ring.settle(self.payloads[j], self.buffers[j])
+                self.ring.copy_out(self.payloads[j], self.buffers[j])
         self.crcs.append(crc)
 
     def _rebuild(self, index: int, payload: torch.Tensor) -> Crc:

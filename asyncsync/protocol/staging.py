@@ -184,7 +184,7 @@ class BucketStager:
         if req.shm is not None:
             return self.adopt(req, served_version, carrying)
         self._require_group()
-        self.relay.settle()  # the last version's forwards read the buffers this one may be received into
+        self.relay.wait_forwards()  # the last version's forwards read the buffers this one may be received into
         self.discard()
         buckets = tuple(meta.to_bucket(i) for i, meta in enumerate(req.buckets))
         self._refuse_unreceivable(req, buckets, carrying)

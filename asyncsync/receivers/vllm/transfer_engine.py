@@ -62,7 +62,8 @@ from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.admission import VersionRejected
-from asyncsync.protocol.staging import BucketStager, StagedVersion
+from asyncsync.protocol.stager import BucketStager
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.experts import ExpertKernels
@@ -273,7 +274,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.experts.reprocess()
         self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
         self.version = staged.version
-        self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
+        self.stager.buffers.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
 

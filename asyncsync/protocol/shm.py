@@ -4,10 +4,10 @@ A trainer on the same host as a receiver does not push a version through sockets
 version into a shared-memory segment (``/dev/shm/asyncsync-<pid>-<token>-<n>``, one segment per
 version slot, every bucket at a 64-byte-aligned offset) and sends only a ``SharedVersion`` in the
 update request: the segment's name, each bucket's offset and CRC32C, and the trainer's host
-identity. The receiver maps the segment once per version and judges it exactly like a version that
-arrived on the wire (``protocol.intake.SharedMemoryIntake``): every name, dtype and shape against the tensors it
-serves, every bucket's CRC32C against the request, the version against the served one; a bad
-version is refused whole.
+identity. The receiver maps the segment (``MappedSegments``: each once) and judges the version
+exactly like one that arrived on the wire (``protocol.intake.SharedMemoryIntake``): every name,
+dtype and shape against the tensors it serves, every bucket's CRC32C against the request, the
+version against the served one; a bad version is refused whole.
 
 The mapping is read-only: the receiver reads the trainer's bytes without a copy, and a write to
 them (a bug: nothing serves by writing its weights in place) faults instead of reaching the trainer

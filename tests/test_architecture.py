@@ -40,7 +40,8 @@ def test_the_receiver_side_imports_only_torch():
     loaded = imported_after(
         "import asyncsync.protocol.specs, asyncsync.protocol.wire, asyncsync.protocol.sglang, "
         "asyncsync.protocol.checksum, asyncsync.protocol.group, asyncsync.protocol.staging, asyncsync.protocol.shm, "
-        "asyncsync.protocol.lora\n"
+        "asyncsync.protocol.lora, asyncsync.protocol.stager, asyncsync.protocol.joined, asyncsync.protocol.intake, "
+        "asyncsync.protocol.background\n"
         "import torch\n"
         "from asyncsync.protocol.checksum import crc32c_of\n"
         "assert crc32c_of(torch.arange(9, dtype=torch.uint8)) > 0"

@@ -24,7 +24,7 @@ from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup, free_port
 from asyncsync.protocol.specs import BucketPlan, TensorSpec
 from asyncsync.protocol.admission import VersionRejected
-from asyncsync.protocol.staging import BucketStager
+from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
 from fakes import FakeCuda
@@ -145,7 +145,7 @@ def test_a_cancelled_receive_blocks_the_next_until_it_ended():
         start = time.monotonic()
         link.background.cancel()
         assert time.monotonic() - start < 1.0, "cancel runs inside an RPC that holds the engine: it never waits"
-        assert not link.background.pending and link.background.stager.group is None, "it left the group"
+        assert not link.background.pending and link.background.stager.joined.group is None, "it left the group"
         with pytest.raises(VersionRejected, match="a discarded receive is still waiting for its data"):
             link.background.start(request(2), served_version=0)
         release.set()

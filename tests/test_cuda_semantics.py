@@ -24,7 +24,7 @@ from asyncsync.models import build_model
 from asyncsync.protocol import group as group_module
 from asyncsync.protocol.device import HostRuntime, NCCL_GROUP_ENV, runtime_for
 from asyncsync.protocol.group import DataPlaneGroup, free_port
-from asyncsync.protocol.staging import BucketStager
+from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.specs import BucketPlan, TensorSpec
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 from asyncsync.packing import PackBackend, PackBackendUnavailable, check_against_torch, get_backend
@@ -294,7 +294,7 @@ def test_a_receiver_answers_only_once_its_data_arrived(fake):
     sender = threading.Thread(target=lambda: trainer.append(DataPlaneGroup.join(spec, 0, HostRuntime())))
     sender.start()
     stager = BucketStager({"w": TensorSpec.of("w", data)}, "/init", fake)
-    stager.join(spec, 1)
+    stager.joined.join(spec, 1)
     sender.join(30)
     try:
         request = UpdateRequest(1, (meta,), checksum=False)
@@ -304,7 +304,7 @@ def test_a_receiver_answers_only_once_its_data_arrived(fake):
         assert torch.equal(dict(staged.tensors())["w"], data), "the receiver returned before its data arrived"
         sending.join(30)
     finally:
-        stager.close()
+        stager.joined.leave()
         trainer[0].close()
 
 
@@ -315,7 +315,7 @@ def test_cpu_weights_use_gloo_even_where_cuda_exists(monkeypatch):
     assert runtime_for(torch.device("cpu")).wire_backend == "gloo"
     with ThreadedServer(ReferenceServer(build_model(TINY))) as server:
         body = GroupSpec("127.0.0.1", free_port(), 2, "g", "nccl", 5.0)
-        answer = server.server.receiver.stager
+        answer = server.server.receiver.stager.joined
         with pytest.raises(Exception, match="uses nccl, but this server's weights are on cpu"):
             answer.join(body, 1)
         assert answer.group is None, "nothing was joined"

@@ -43,10 +43,12 @@ def test_a_dropped_head_bias_is_added_and_follows_every_later_value():
         model.lm_head.bias.normal_()
     assert HeadBias.dropped(model)
     assert not torch.allclose(model.compute_logits(h), reference(model, h)), "the omission is real"
-    assert HeadBias.install(model)
+    fix = HeadBias.of(model)
+    assert fix is not None and fix.refusal() is None
     assert torch.equal(model.compute_logits(h), reference(model, h))
     with torch.no_grad():
         model.lm_head.bias.add_(1.0)  # a new version's bias, loaded in place
+    fix.repair({"lm_head.bias"})  # nothing to repair: the processor reads the bias at every call
     assert torch.equal(model.compute_logits(h), reference(model, h))
 
 
@@ -55,6 +57,6 @@ def test_models_that_pass_their_bias_or_have_none_are_left_alone():
     h = torch.randn(3, 8)
     for model in (Model(bias=True, passes_bias=True), Model(bias=False, passes_bias=False)):
         forward = model.logits_processor.forward
-        assert not HeadBias.install(model)
+        assert HeadBias.of(model) is None
         assert model.logits_processor.forward == forward
         assert torch.equal(model.compute_logits(h), reference(model, h))

@@ -511,6 +511,7 @@ def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():
     from vllm.model_executor.utils import is_weights_pre_processed
 
     from asyncsync.protocol.admission import VersionRejected
+    from asyncsync.receivers.vllm.fixes import PostLoadFixes
     from asyncsync.receivers.vllm.ties import TiedModules
 
     class CopyingMethod(QuantizeMethodBase):
@@ -542,21 +543,23 @@ def test_tied_modules_are_reprocessed_after_a_load_or_the_version_is_refused():
         return m
 
     m, x = tied_model(), torch.randn(2, 4)
-    ties = TiedModules(m)
+    ties = TiedModules.of(m)
+    assert ties is not None
     assert {(t.name, t.params, t.shares_with) for t in ties.ties} == {
         ("embed_tokens", ("embed_tokens.weight",), ("lm_head.weight",)),
         ("lm_head", ("lm_head.weight",), ("embed_tokens.weight",))}
-    ties.check(1)
+    assert ties.refusal() is None
+    PostLoadFixes([ties]).check(1)
     with torch.no_grad():
         m.embed_tokens.weight.add_(1.0)  # a load that reached embed_tokens only
     head = lambda: m.lm_head.quant_method.apply(m.lm_head, x)  # noqa: E731
     assert not torch.allclose(head(), x @ m.embed_tokens.weight.T), "the head computes from its start-up copy"
-    ties.reprocess({"embed_tokens.weight"})
+    ties.repair({"embed_tokens.weight"})
     assert torch.equal(head(), torch.nn.functional.linear(x, m.embed_tokens.weight))
     assert m.lm_head.quant_method.calls == [False, True] and m.embed_tokens.quant_method.calls == [False]
 
     with pytest.raises(VersionRejected, match=r"version 7 rejected: tied module\(s\) .* lm_head \(Module, CopyingMethod\)"):
-        TiedModules(tied_model(head_supports_pre_processed=False)).check(7)
+        PostLoadFixes.of(tied_model(head_supports_pre_processed=False), (TiedModules,)).check(7)
 
 
 def test_the_experts_kernel_step_is_rerun_only_where_vllms_reload_skipped_it():
@@ -588,8 +591,9 @@ def test_the_experts_kernel_step_is_rerun_only_where_vllms_reload_skipped_it():
     model = torch.nn.Module()
     model.unquantized, model.fp8, model.plain = (layer("unquantized", UnquantizedFusedMoEMethod),
                                                  layer("fp8", Fp8MoEMethod), layer("plain", None))
-    kernels = ExpertKernels(model)
+    kernels = ExpertKernels.of(model)
+    assert kernels is not None and kernels.refusal() is None
     assert [name for name, _ in kernels.layers] == ["unquantized"]
-    kernels.reprocess()
-    kernels.reprocess()
+    kernels.repair(None)
+    kernels.repair(frozenset({"unquantized.w13_weight"}))
     assert steps == ["unquantized", "unquantized"]

@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 UNFIX = '''
 import importlib.abc, importlib.util, os, sys
 UNFIX = {
-    "asyncsync.receivers.vllm.ties": lambda m: setattr(m.TiedModules, "reprocess", lambda self, loaded: None),
-    "asyncsync.receivers.vllm.experts": lambda m: setattr(m.ExpertKernels, "reprocess", lambda self: None),
-    "asyncsync.receivers.vllm.head": lambda m: setattr(m.HeadBias, "install", classmethod(lambda cls, model: False)),
+    "asyncsync.receivers.vllm.ties": lambda m: setattr(m.TiedModules, "repair", lambda self, loaded: None),
+    "asyncsync.receivers.vllm.experts": lambda m: setattr(m.ExpertKernels, "repair", lambda self, loaded: None),
+    "asyncsync.receivers.vllm.head": lambda m: setattr(m.HeadBias, "of", classmethod(lambda cls, model: None)),
 }
 target = os.environ.get("ASYNCSYNC_TEST_UNFIX")
 

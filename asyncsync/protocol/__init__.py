@@ -11,7 +11,11 @@ prometheus_client, the sync worker)::
     checksum   CRC32C of a bucket, on the host or on the buffer's own device
     group      DataPlaneGroup: join the trainer's process group (gloo or NCCL) and receive broadcasts
     frames     FrameHeader: the fixed-size header that agrees each payload's length before it moves
-    staging    BucketStager: receive a version into flat buffers and verify it before anything is applied
+    stager     BucketStager: receive a version into flat buffers and verify it before anything is applied,
+               the parts below wired together once
+    staging    StagingBuffers: where versions land, and what of them the live weights alias
+    joined     JoinedGroups: the trainer's groups and the relay edges a receiver joined, left together
+    intake     the three ways in: a whole version off the wire, from shared memory, bucket by bucket
 
 Import the submodules directly; this ``__init__`` imports none of them.
 """

@@ -174,6 +174,6 @@ class DeviceRing:
         return self._slots[index % RING_SLOTS][:nbytes]
 
     @staticmethod
-    def settle(landed: torch.Tensor, host: torch.Tensor) -> None:
+    def copy_out(landed: torch.Tensor, host: torch.Tensor) -> None:
         """Copy a landed bucket into its place in the host arena (ordered on the current stream)."""
         host.copy_(landed, non_blocking=True)

@@ -54,7 +54,8 @@ from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.admission import VersionRejected
-from asyncsync.protocol.staging import BucketStager, StagedVersion
+from asyncsync.protocol.stager import BucketStager
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 
 log = logging.getLogger(__name__)
@@ -122,11 +123,11 @@ class BackgroundReceive:
         return self._pending is not None
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, relay: Sequence[GroupSpec] = ()) -> None:
-        """Join the trainer's groups and the relay edges below (``BucketStager.join``; from a worker,
+        """Join the trainer's groups and the relay edges below (``JoinedGroups.join``; from a worker,
         returns once joined). A version in flight in the previous groups can never complete: it is
         dropped first."""
         self.cancel()
-        self._spawn(self.stager.join, specs, rank, True, relay).result()
+        self._spawn(self.stager.joined.join, specs, rank, True, relay).result()
 
     def start(self, request: UpdateRequest, served_version: int,
               carrying: Mapping[str, TensorSpec] | None = None) -> None:
@@ -199,10 +200,10 @@ class BackgroundReceive:
 
     def _drop(self, future: Future[tuple[StagedVersion, Any]]) -> None:
         if not future.done():
-            self.stager.close(broken=True)
+            self.stager.joined.leave(broken=True)
             log.info("dropped version %s while it was being received", self.version)
 
     def close(self) -> None:
         """Drop the version in flight and leave the group (``join`` may follow)."""
         self.cancel()
-        self.stager.close()
+        self.stager.joined.leave()

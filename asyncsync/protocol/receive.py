@@ -1,14 +1,15 @@
 """One whole version received off the data plane, frame by frame, into buffers chosen for it.
 
-``protocol.staging.BucketStager.receive`` decides whether a version may be received and where it
-lands; this module receives it, in the order the trainer sends (``transport/datapath.py``): for each
+``protocol.intake.WireIntake`` decides whether a version may be received and where it lands; this
+module receives it, in the order the trainer sends (``transport/datapath.py``): for each
 payload (a bucket, or its delta, then the checksum manifest) first its frame header, checked against
 the announcement before the payload's receive is posted (a member that would send more than was
 announced is refused, not aborted on), then the payload itself, while the payload before it is
 checksummed, rebuilt from its delta or copied out of the device ring, and forwarded to the
 servers below this one where it relays (``protocol.relay``). What is left after the last byte is one
-bucket's work; the forwards go on down (the caller waits for them before the buffers are reused). Each wait returns only once its data has arrived (the group's waits block
-the host), so nothing is judged before the bytes are really in the buffers.
+bucket's work; the forwards go on down (the caller waits for them before the buffers are reused).
+Each wait returns only once its data has arrived (the group's waits block the host), so nothing is
+judged before the bytes are really in the buffers.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class FramedReceive:
         else:
             crc = bucket_crc(self.payloads[j]) if self.req.checksum else None
             if self.ring is not None:
-                self.ring.settle(self.payloads[j], self.buffers[j])
+                self.ring.copy_out(self.payloads[j], self.buffers[j])
         self.crcs.append(crc)
 
     def _rebuild(self, index: int, payload: torch.Tensor) -> Crc:

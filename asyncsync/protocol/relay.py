@@ -18,7 +18,7 @@ never fails the version of the server above: the trainer hears of the loss from 
     for each payload i, once it landed:
         forward.send(i, payload, deadline_s)
     ...                       # the server verifies and answers for its own copy meanwhile
-    edges.settle()            # before the buffers are received into again: every forward done or
+    edges.wait_forwards()     # before the buffers are received into again: every forward done or
                               # failed (a failed edge is closed and dropped)
     edges.close(broken)       # leaving the epoch; after a failure the servers below hear it is lost
 """
@@ -68,12 +68,12 @@ class Forward:
                 self._drop(edge, e)
         self._pending.append(sent)
         while self.in_flight is not None and len(self._pending) > self.in_flight:
-            self._settle(self._pending.pop(0))
+            self._wait_for(self._pending.pop(0))
 
     def finish(self) -> None:
         """Until every forward is done or its edge dropped."""
         while self._pending:
-            self._settle(self._pending.pop(0))
+            self._wait_for(self._pending.pop(0))
 
     def abandon(self, lost: bool) -> None:
         """Close every edge and let go of every forward in flight. ``lost``: this server's receive
@@ -92,7 +92,7 @@ class Forward:
             edge.close(broken=True)
         self.edges, self._pending = [], []
 
-    def _settle(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
+    def _wait_for(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
             if edge not in self.edges:
                 continue
@@ -126,11 +126,11 @@ class Edges:
             self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
 
     def forward(self, frames: VersionFrames, runtime: Runtime, in_flight: int | None = None) -> Forward:
-        """The next version's forwarding (call ``settle`` first)."""
+        """The next version's forwarding (call ``wait_forwards`` first)."""
         self._last = Forward(self.groups, frames, runtime, in_flight)
         return self._last
 
-    def settle(self) -> None:
+    def wait_forwards(self) -> None:
         """Until the last version's forwards are done; an edge that failed is left out from now on
         (the trainer re-forms the epoch)."""
         if self._last is not None:

@@ -4,10 +4,10 @@ A trainer on the same host as a receiver does not push a version through sockets
 version into a shared-memory segment (``/dev/shm/asyncsync-<pid>-<token>-<n>``, one segment per
 version slot, every bucket at a 64-byte-aligned offset) and sends only a ``SharedVersion`` in the
 update request: the segment's name, each bucket's offset and CRC32C, and the trainer's host
-identity. The receiver maps the segment once per version and judges it exactly like a version that
-arrived on the wire (``BucketStager.adopt``): every name, dtype and shape against the tensors it
-serves, every bucket's CRC32C against the request, the version against the served one; a bad
-version is refused whole.
+identity. The receiver maps the segment (``MappedSegments``: each once) and judges the version
+exactly like one that arrived on the wire (``protocol.intake.SharedMemoryIntake``): every name,
+dtype and shape against the tensors it serves, every bucket's CRC32C against the request, the
+version against the served one; a bad version is refused whole.
 
 The mapping is read-only: the receiver reads the trainer's bytes without a copy, and a write to
 them (a bug: nothing serves by writing its weights in place) faults instead of reaching the trainer
@@ -31,6 +31,7 @@ import mmap
 import os
 import re
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,25 @@ def map_segment(name: str, nbytes: int) -> torch.Tensor:
     with warnings.catch_warnings():  # torch warns that the buffer is not writable: that is the point
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+class MappedSegments:
+    """Each of the trainer's segments mapped once, and kept while it may be mapped again: the trainer
+    packs its versions into the same few segments in turn, and mapping 300 MB again costs as much as
+    checksumming it. Kept: the segments the live weights map (``keep``) and the last one mapped; the
+    others' mappings are dropped. A segment the trainer retired is never written again under a new
+    version, so a kept mapping is never stale."""
+
+    def __init__(self) -> None:
+        self._mappings: dict[str, torch.Tensor] = {}
+
+    def map(self, segment: str, nbytes: int, keep: Collection[str] = ()) -> torch.Tensor:
+        """``segment`` mapped (at least ``nbytes``); ``ShmUnavailable`` if it cannot be."""
+        mapped = self._mappings.get(segment)
+        if mapped is None or mapped.numel() < nbytes:
+            mapped = map_segment(segment, nbytes)
+        self._mappings = {n: m for n, m in self._mappings.items() if n in keep} | {segment: mapped}
+        return mapped
 
 
 def alive(pid: int) -> bool:

@@ -117,7 +117,7 @@ class ReferenceServer:
                                 on_join=self.joins.abandon, adapters=self.adapters)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[starlette_errors, self._errors, self._auth, self._owned, self._delay],
+        app = web.Application(middlewares=[starlette_errors, error_statuses, self._auth, self._owned, self._delay],
                               client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health), web.get("/version", self.get_version),
@@ -187,23 +187,6 @@ class ReferenceServer:
         if delay:
             await asyncio.sleep(delay)
         return response
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except WireError as e:
-            return _error(400, str(e))
-        except VersionRejected as e:
-            return _error(409, str(e))
-        except DataPlaneError as e:
-            return _error(503, str(e))
-        except OwnedByAnotherTrainer as e:
-            return _error(OWNED_STATUS, str(e))
-        except web.HTTPRequestEntityTooLarge as e:
-            return _error(413, f"the body is larger than this server takes ({e.reason}): send a smaller request")
-        except AdapterNotFound as e:
-            return _error(404, short(str(e)))
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -380,6 +363,26 @@ class ReferenceServer:
         version = await self._data_plane(self.receiver.commit, req.version)
         return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
                                   "holds": list(self.receiver.holds)})
+
+
+@web.middleware
+async def error_statuses(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Each refusal the routes raise as the status that says what kind it is (a bad request, a refused
+    version, a failed data plane, another trainer's server, a body too large, an unknown adapter)."""
+    try:
+        return await handler(request)
+    except WireError as e:
+        return _error(400, str(e))
+    except VersionRejected as e:
+        return _error(409, str(e))
+    except DataPlaneError as e:
+        return _error(503, str(e))
+    except OwnedByAnotherTrainer as e:
+        return _error(OWNED_STATUS, str(e))
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, f"the body is larger than this server takes ({e.reason}): send a smaller request")
+    except AdapterNotFound as e:
+        return _error(404, short(str(e)))
 
 
 def _session(request: web.Request) -> str:

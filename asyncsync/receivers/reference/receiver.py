@@ -16,7 +16,8 @@ from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.specs import LAYOUTS, BucketPlan, TensorSpec, unpack
 from asyncsync.protocol.admission import VersionRejected
-from asyncsync.protocol.staging import BucketStager, StagedVersion
+from asyncsync.protocol.stager import BucketStager
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
 
 __all__ = ["VersionRejected", "WeightReceiver", "tensor_bytes"]
@@ -91,8 +92,8 @@ class WeightReceiver:
         """Join the trainer's group(s) as ``rank`` (a sharded trainer's: one per owning rank) and the
         ``relay`` edges below this server; the first join makes the staging arenas, so no version of
         the session pays for their pages."""
-        self.stager.join(specs, rank, warmup, relay)
-        if not self.stager.arenas:
+        self.stager.joined.join(specs, rank, warmup, relay)
+        if not self.stager.buffers.arenas:
             self._make_arenas()
 
     def _make_arenas(self) -> None:
@@ -101,10 +102,10 @@ class WeightReceiver:
             arena = HostArena(nbytes)
             if self.runtime.kind != "host":
                 arena.pin()
-            self.stager.stage_in((arena,))
+            self.stager.buffers.stage_in((arena,))
             return
         live = self._move_live(Arena.on_device(nbytes, self.runtime.device))
-        self.stager.stage_in((Arena.on_device(nbytes, self.runtime.device), live), live=live)
+        self.stager.buffers.stage_in((Arena.on_device(nbytes, self.runtime.device), live), live=live)
 
     def _move_live(self, arena: Arena) -> Arena:
         """Re-point the live tensors that versions replace whole (not the converted groups, which are
@@ -134,21 +135,21 @@ class WeightReceiver:
     @property
     def holds(self) -> tuple[str, ...]:
         """The trainer's shared-memory segments the live weights map (the trainer keeps them intact)."""
-        return self.stager.holds
+        return self.stager.buffers.holds
 
     def receive_bucket(self, meta: BucketMeta, group: DataPlaneGroup | None = None) -> None:
         """Receive one bucket of a version sent bucket by bucket (SGLang's protocol), on ``group``
         (SGLang's groups are named per request) or the one joined."""
         self._staged = None
-        self.stager.receive_bucket(meta, group)
+        self.stager.assembly.receive_bucket(meta, group)
 
     def discard(self) -> None:
         """Forget the buckets received since the last version (a version abandoned half-way)."""
-        self.stager.discard()
+        self.stager.assembly.discard()
 
     def seal(self, version: int) -> None:
         """The buckets received since the last version form ``version``: check it is whole, stage it."""
-        self._staged = self.stager.seal(version, self.version)
+        self._staged = self.stager.assembly.seal(version, self.version)
 
     def commit(self, version: int) -> int:
         """Point every live tensor at its bytes in the received buffers, under ``serve_lock`` so
@@ -177,16 +178,16 @@ class WeightReceiver:
             for name, tensor in made.items():
                 if name not in copied:
                     self._live[name].set_(tensor)
-                elif self.stager.holds:
+                elif self.stager.buffers.holds:
                     self._live[name].set_(tensor.clone())
                 else:
                     self._live[name].copy_(tensor)
             self.version = version
             self.applied.append(version)
             if host_copy:
-                self.stager.mark_committed(staged)
+                self.stager.buffers.mark_committed(staged)
             else:
-                self.stager.mark_live(staged)
+                self.stager.buffers.mark_live(staged)
             self.last_switch_s = time.perf_counter() - start
         self._staged = None
         self.runtime.return_freed()  # what the swap and the conversions freed goes back to the OS
@@ -209,7 +210,7 @@ class WeightReceiver:
         return out
 
     def close(self) -> None:
-        self.stager.close()
+        self.stager.joined.leave()
 
 
 def nbytes_of(specs: Sequence[TensorSpec]) -> int:

@@ -34,7 +34,7 @@ Where the reference server departs from SGLang, on purpose:
   (SGLang loads each bucket as it comes); a bucket refused after its broadcast is answered with
   SGLang's load-failure message, though here the served weights are untouched;
 * nothing is allocated for a bucket that names a tensor the model does not have or that would take
-  the version past the server's staging budget (``BucketStager.max_version_bytes``): it is refused
+  the version past the server's staging budget (``Admission.max_version_bytes``): it is refused
   before its broadcast, with SGLang's receive-failure message (SGLang receives it, then refuses);
 * a message longer than ``wire.MAX_ERROR_CHARS`` is cut there, and a validation error quotes at most
   ``ECHO_CHARS`` of each input (SGLang quotes it whole);

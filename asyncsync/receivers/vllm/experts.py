@@ -16,7 +16,7 @@ CUTLASS / CuteDSL and TRT-LLM NVFP4 experts): running them twice would multiply 
 version. GPU kernels of the unquantized method have steps too (weights shuffled to a runtime layout
 on ROCm AITER, for one), which the skip leaves as stale as the CPU prepack.
 
-The rule this module implements: after a version is loaded, every MoE layer whose method is vLLM's
+The rule this module implements (a post-load fix, ``fixes.py``): after a version is loaded, every MoE layer whose method is vLLM's
 ``UnquantizedFusedMoEMethod`` (or a subclass) has its kernel's step re-run on the reloaded weights, as
 the first load ran it; no other method's.
 """
@@ -24,6 +24,8 @@ the first load ran it; no other method's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
+
 import torch
 
 log = logging.getLogger(__name__)
@@ -32,20 +34,30 @@ log = logging.getLogger(__name__)
 class ExpertKernels:
     """The MoE layers of a loaded model whose kernel has its own post-load step, found once."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.layers = [(name, m) for name, m in model.named_modules() if _kernel_step(m) is not None]
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]]):
+        self.layers = layers
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ExpertKernels | None:
+        """The MoE layers of ``model`` whose step the reload skips, or None where there are none."""
+        layers = [(name, m) for name, m in model.named_modules() if _kernel_step(m) is not None]
+        return cls(layers) if layers else None
+
+    def refusal(self) -> None:
+        """Never: every such step can be re-run."""
+        return None
 
     @torch.no_grad()
-    def reprocess(self) -> None:
-        """After a load: re-run the kernel step of every MoE layer. A version is always whole, so
-        the load reached every one (``load_weights``' returned names are not the layers' own: vLLM
-        nests the experts of some families, DeepSeek's, one module deeper than it names them)."""
+    def repair(self, loaded: Set[str] | None) -> None:
+        """After a load: re-run the kernel step of every MoE layer, whatever ``loaded`` says. A version
+        is always whole, so the load reached every one (``load_weights``' returned names are not the
+        layers' own: vLLM nests the experts of some families, DeepSeek's, one module deeper than it
+        names them)."""
         for _, layer in self.layers:
             step = _kernel_step(layer)
             if step is not None:
                 step(layer)
-        if self.layers:
-            log.debug("re-ran the experts kernel step of %d MoE layer(s)", len(self.layers))
+        log.debug("re-ran the experts kernel step of %d MoE layer(s)", len(self.layers))
 
 
 def _kernel_step(layer: torch.nn.Module):  # noqa: ANN202 - vLLM's bound method

@@ -11,17 +11,19 @@ with a published Phi-3.5-MoE, whose bias is not zero, vLLM serves the checkpoint
 zeroed). The class: a parameter the engine loads and its forward never reads, so every version of
 it is "loaded" and none is served.
 
-``HeadBias.install(model)`` asks the model's own ``compute_logits`` which bias it hands its logits
+``HeadBias.of(model)`` (a post-load fix, ``fixes.py``) asks the model's own ``compute_logits`` which bias it hands its logits
 processor (the processor's ``forward`` replaced by a recorder for that one call: no kernel runs, no
 collective is entered), and where the head has a bias and none was handed over, from then on hands
 the processor the head's bias (its own vocabulary shard under tensor parallelism, as vLLM's GPT-J
-passes it) whenever the model passes none. Models that pass their bias, or have none, are left as
-they are.
+passes it) whenever the model passes none. The processor then reads the head's bias at every call,
+so it follows every version loaded in place and nothing is left to repair after a load. Models that
+pass their bias, or have none, are left as they are.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -57,10 +59,12 @@ class HeadBias:
         return bool(handed) and handed[0] is None
 
     @classmethod
-    def install(cls, model: torch.nn.Module) -> bool:
-        """Hand the head's bias to the logits processor where the model drops it; True if it did."""
-        if not cls.dropped(model):
-            return False
+    def of(cls, model: torch.nn.Module) -> HeadBias | None:
+        """Where ``model`` drops its head's bias: the fix, installed (see ``__init__``); else None."""
+        return cls(model) if cls.dropped(model) else None
+
+    def __init__(self, model: torch.nn.Module):
+        """Hand the head's bias to ``model``'s logits processor whenever the model passes none."""
         head, processor = model.lm_head, model.logits_processor
         forward = type(processor).forward
 
@@ -73,4 +77,10 @@ class HeadBias:
         processor.forward = with_bias
         log.warning("asyncsync: %s loads lm_head.bias but computes its logits without it; the bias is added "
                     "(as transformers does)", type(model).__name__)
-        return True
+
+    def refusal(self) -> None:
+        """Never: the bias is handed over from the start."""
+        return None
+
+    def repair(self, loaded: Set[str] | None) -> None:
+        """Nothing: the processor reads the head's bias at every call, the one a load wrote in place."""

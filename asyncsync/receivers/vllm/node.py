@@ -5,8 +5,8 @@ worker, the *stager*, joins the trainer's data plane. It receives and verifies e
 ``HostArena`` (``protocol/arena.py``); its peers (the engine's other tensor- and pipeline-parallel
 workers, on the same node) receive nothing. Each weight-update RPC runs on every worker (vLLM's
 ``collective_rpc``), so every step that can fail on the stager ends in ``share``: a broadcast of the
-``Outcome`` over vLLM's own group of the engine's workers (its CPU group), which every worker meets
-at the same point. Every worker then raises the same refusal, or goes on: a peer maps the arena
+``StagerReport`` over vLLM's own group of the engine's workers (its CPU group), which every worker
+meets at the same point. Every worker then raises the same refusal, or goes on: a peer maps the arena
 read-only (``HostArena.attach``, once) and loads what its ``load_weights`` keeps from views of it,
 exactly as vLLM loads a checkpoint from host memory at start-up.
 
@@ -27,12 +27,13 @@ import torch
 from asyncsync.protocol.arena import Arena, HostArena
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.intake import buckets_of
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import UpdateRequest
 
 
 @dataclass(frozen=True)
-class Outcome:
+class StagerReport:
     """What the stager made of a step, as its peers learn it: ``error`` (the message of the stager's
     exception, ``data_plane`` when it was a ``DataPlaneError``) or success, with ``arena`` (the
     path its peers map the staged version from)."""
@@ -60,18 +61,18 @@ class NodeStaging:
         self.stager = self.group.rank_in_group == 0
         self._arena: tuple[str, Arena] | None = None  # a peer's mapping of the stager's arena
 
-    def share(self, outcome: Outcome | None) -> Outcome:
-        """The stager's ``outcome`` (it passes it; its peers pass None), on every worker of the engine."""
+    def share(self, report: StagerReport | None) -> StagerReport:
+        """The stager's ``report`` (it passes it; its peers pass None), on every worker of the engine."""
         if self.group.world_size == 1:
-            assert outcome is not None
-            return outcome
-        box = [outcome]
+            assert report is not None
+            return report
+        box = [report]
         torch.distributed.broadcast_object_list(box, src=self.group.ranks[0], group=self.group.cpu_group)
         assert box[0] is not None
         return box[0]
 
     def led(self, step: Any, arena: HostArena | None) -> Any:
-        """On the stager: run ``step()`` and share its outcome (re-raising its error). On a peer: wait
+        """On the stager: run ``step()`` and share its report (re-raising its error). On a peer: wait
         for the stager's and raise its error, or return None. Every worker calls this at the same point."""
         if not self.stager:
             self.share(None).raise_if_failed()
@@ -79,22 +80,22 @@ class NodeStaging:
         try:
             result = step()
         except (VersionRejected, DataPlaneError) as e:
-            self.share(Outcome(str(e), isinstance(e, DataPlaneError)))
+            self.share(StagerReport(str(e), isinstance(e, DataPlaneError)))
             raise
         except Exception as e:
-            self.share(Outcome(f"the stager failed: {type(e).__name__}: {e}"))
+            self.share(StagerReport(f"the stager failed: {type(e).__name__}: {e}"))
             raise
-        self.share(Outcome(arena=arena.path if arena is not None else None))
+        self.share(StagerReport(arena=arena.path if arena is not None else None))
         return result
 
     def staged(self, request: UpdateRequest) -> StagedVersion:
         """On a peer, after the stager shared a verified ``request``: the version, as views of the
         stager's arena (the same consecutive layout its stager received it in)."""
-        outcome = self.share(None)
-        outcome.raise_if_failed()
-        assert outcome.arena is not None, "a verified version names the arena it is in"
-        buckets = tuple(m.to_bucket(i) for i, m in enumerate(request.buckets))
-        arena = self._attach(outcome.arena, sum(b.nbytes for b in buckets))
+        report = self.share(None)
+        report.raise_if_failed()
+        assert report.arena is not None, "a verified version names the arena it is in"
+        buckets = buckets_of(request)
+        arena = self._attach(report.arena, sum(b.nbytes for b in buckets))
         return StagedVersion.of(request.version, arena.views([b.nbytes for b in buckets]), buckets)
 
     def _attach(self, path: str, nbytes: int) -> Arena:

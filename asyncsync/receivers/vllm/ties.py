@@ -9,25 +9,22 @@ the shared values move on: on CPU an unquantized ``lm_head`` computes its logits
 of the weight packed at start-up. On CUDA, ROCm and XPU an unquantized head has no derived state (its
 processing is a no-op, and its GEMM reads the shared weight), so re-processing it changes nothing.
 
-The rule this module implements: after a version is loaded, every tied module that was not loaded
-itself has its processing re-run, in vLLM's "weights already processed" mode (the shared tensors are
-already in runtime format; only derived state such as packed kernels is rebuilt). A tied module
-whose processing cannot be re-run that way makes the engine refuse every version, loudly, instead
-of serving a stale layer.
+The rule this module implements (a post-load fix, ``fixes.py``): after a version is loaded, every
+tied module that was not loaded itself has its processing re-run, in vLLM's "weights already
+processed" mode (the shared tensors are already in runtime format; only derived state such as packed
+kernels is rebuilt). A tied module whose processing cannot be re-run that way makes the engine
+refuse every version, loudly, instead of serving a stale layer.
+
+vLLM is imported where it is used, so that the list of fixes loads without it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Set
 from dataclasses import dataclass
 
 import torch
-from vllm.model_executor.layers.attention import is_deferred_attention_layer
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-from vllm.model_executor.utils import weights_already_processed
-
-from asyncsync.protocol.admission import VersionRejected
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +43,8 @@ class TiedModule:
         """An attention layer whose processing vLLM defers: ``finalize_layerwise_reload`` re-runs it on
         every reload, after every other layer was loaded (MLA's absorbed ``W_UV`` / ``W_UK_T``, derived
         from the ``kv_b_proj`` it shares: a version changing only ``kv_b_proj`` decodes exactly)."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
         return bool(is_deferred_attention_layer(self.module))
 
     @property
@@ -53,6 +52,8 @@ class TiedModule:
         """Re-run by vLLM itself, nothing to re-run (no ``quant_method``), or a method that declares
         ``supports_pre_processed_weights``: vLLM's contract that its ``process_weights_after_loading``
         runs on runtime-format tensors, rebuilding derived state without transforming them."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
         if self.rerun_by_vllm:
             return True
         method = getattr(self.module, "quant_method", None)
@@ -67,39 +68,36 @@ class TiedModules:
     """The tied modules of a loaded model, found once (the reload restores every parameter into its
     original storage, so the ties found at start-up hold for every version)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.ties = tied_modules(model)
-        unsafe = [t.describe() for t in self.ties if not t.reprocessable]
-        self.unsafe = "; ".join(unsafe)
-        if unsafe:
-            log.warning("asyncsync: every version will be refused: tied module(s) whose post-load processing cannot "
-                        "be re-run on loaded weights: %s", self.unsafe)
+    def __init__(self, ties: list[TiedModule]):
+        self.ties = ties
+        self.unsafe = "; ".join(t.describe() for t in ties if not t.reprocessable)
 
-    def check_plan(self) -> None:
-        """At the trainer's ``connect``: raise ``VersionRejected`` when no version could ever be applied."""
-        if self.unsafe:
-            raise VersionRejected(f"this engine refuses every version: tied module(s) whose post-load processing "
-                                  f"cannot be re-run on loaded weights: {self.unsafe}")
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> TiedModules | None:
+        """The tied modules of ``model``, or None where it has none."""
+        ties = tied_modules(model)
+        return cls(ties) if ties else None
 
-    def check(self, version: int) -> None:
-        """Raise ``VersionRejected`` when a tied module could not follow ``version``: called before the
-        model is touched, so the previous weights keep serving."""
-        if self.unsafe:
-            raise VersionRejected(f"version {version} rejected: tied module(s) whose post-load processing cannot be "
-                                  f"re-run on loaded weights, so they would keep serving their start-up weights: "
-                                  f"{self.unsafe}")
+    def refusal(self) -> str | None:
+        """Why every version is refused: a tied module whose processing cannot be re-run."""
+        if not self.unsafe:
+            return None
+        return ("tied module(s) whose post-load processing cannot be re-run on loaded weights, so they would keep "
+                f"serving their start-up weights: {self.unsafe}")
 
     @torch.no_grad()
-    def reprocess(self, loaded: Iterable[str] | None) -> None:
+    def repair(self, loaded: Set[str] | None) -> None:
         """After a load: re-run the processing of every tied module that ``load_weights`` did not load
-        itself (it returns the parameter names it loaded; None means it does not say, and then every
+        itself (``loaded``: the parameter names it loaded; None means it does not say, and then every
         tied module is re-run, which is idempotent in this mode). A version is always whole, so what a
         tied module shares was updated."""
-        names = None if loaded is None else set(loaded)
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.utils import weights_already_processed
+
         for tie in self.ties:
             method = getattr(tie.module, "quant_method", None)
             if tie.rerun_by_vllm or not isinstance(method, QuantizeMethodBase) or \
-                    (names is not None and set(tie.params) <= names):
+                    (loaded is not None and set(tie.params) <= loaded):
                 continue  # re-run by vLLM's finalize, nothing to re-run, or loaded (processed by the reload)
             with weights_already_processed():
                 method.process_weights_after_loading(tie.module)

@@ -5,14 +5,13 @@ vLLM calls, per version: ``start_weight_update``, ``update_weights`` (with async
 that also runs the forward passes: while an RPC runs, vLLM generates nothing. Per version:
 
 1. receive every bucket into the staging arena and verify it (CRC32C manifest, and names, dtypes
-   and shapes against the checkpoint the server loaded, every tensor exactly once; tied modules that
-   cannot be re-processed refuse every version: ``receivers/vllm/ties.py``); a bad version is
-   refused before the model is touched;
+   and shapes against the checkpoint the server loaded, every tensor exactly once; a post-load fix
+   that cannot repair this model refuses every version: ``receivers/vllm/fixes.py``); a bad
+   version is refused before the model is touched;
 2. only then open vLLM's layerwise reload, ``model.load_weights`` the whole version (HF checkpoint
    names), and close the reload, even when loading raises;
-3. re-run the post-load processing of every tied module the load did not reach (a tied ``lm_head``),
-   and the MoE experts kernel's own post-load step that vLLM's weight-update path skips
-   (``receivers/vllm/experts.py``: on CPU, the grouped-GEMM prepack).
+3. repair what vLLM's weight-update path leaves stale after a load: every fix of
+   ``receivers/vllm/fixes.py``'s one list that the model needs.
 
 Where step 1 runs is the request's ``receive`` mode:
 
@@ -62,13 +61,12 @@ from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.admission import VersionRejected
-from asyncsync.protocol.staging import BucketStager, StagedVersion
+from asyncsync.protocol.stager import BucketStager
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
-from asyncsync.receivers.vllm.experts import ExpertKernels
-from asyncsync.receivers.vllm.head import HeadBias
+from asyncsync.receivers.vllm.fixes import PostLoadFixes
 from asyncsync.receivers.vllm.node import NodeStaging
-from asyncsync.receivers.vllm.ties import TiedModules
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +110,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # A version started in the background, on every worker (also those that do not receive it): what
         # finish_weight_update completes.
         self.pending: UpdateRequest | AdapterUpdate | None = None
-        self.ties = TiedModules(model)
-        self.experts = ExpertKernels(model)
-        HeadBias.install(model)  # a head bias the model loads but leaves out of its logits
+        self.fixes = PostLoadFixes.of(model)  # what vLLM's reload leaves stale, repaired after each load
         self.background = BackgroundReceive(self.stager, self._verify)
         pc = self.parallel_config
         self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,
@@ -164,7 +160,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def _check_layout(self, check: LayoutCheck) -> None:
         self.stager.admission.check_layout(check)
-        self.ties.check_plan()
+        self.fixes.check_plan()
 
     def _check_base(self, check: BaseCheck) -> None:
         self.adapters.check_base(check, self.version, self.checkpoint)
@@ -193,7 +189,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """Receive and verify a version here (the data plane, or a same-host trainer's shared memory
         copied once into the arena); raises ``VersionRejected`` before the model is touched."""
         staged = self.stager.receive(update_info, self.version)
-        self.ties.check(staged.version)
+        self.fixes.check(staged.version)
         return staged
 
     def _led(self, step: Callable[[], Any]) -> Any:
@@ -215,7 +211,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         if pending is not None:
             self.adapters.verify(pending, staged)
         else:
-            self.ties.check(staged.version)
+            self.fixes.check(staged.version)
 
     def _receive_adapter(self, update: AdapterUpdate) -> None:
         """An adapter version: received and verified like any (``background``: on the worker thread,
@@ -269,11 +265,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             loaded = self.model.load_weights(staged.tensors())
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-        self.ties.reprocess(loaded)
-        self.experts.reprocess()
+        self.fixes.repair(loaded)
         self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
         self.version = staged.version
-        self.stager.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
+        self.stager.buffers.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
 

@@ -351,3 +351,25 @@ def test_no_module_of_the_package_defines_a_function_or_class_twice():
     assert redefinitions(sources) == []
     assert redefinitions({"asyncsync.twice": "def f():\n    pass\n\n\ndef f():\n    pass\n"}) == [
         "asyncsync.twice: f is defined 2 times"]  # the check sees one
+
+
+def benchmark_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of the ``benchmarks`` package (anywhere in a module: inside functions too) in
+    ``sources`` (file name -> its code): what tests share with benchmarks lives in the package
+    (``asyncsync.testing``), so a test never runs a benchmark's code."""
+    problems = []
+    for name, code in sources.items():
+        for node in ast.walk(ast.parse(code)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            problems += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] == "benchmarks"]
+    return problems
+
+
+def test_no_test_imports_a_benchmark():
+    sources = {str(p.relative_to(REPO)): p.read_text() for p in (REPO / "tests").rglob("*.py")}
+    assert len(sources) > 50, "the tests were not read"
+    assert benchmark_imports(sources) == []
+    assert benchmark_imports({"t.py": "import os\n\ndef f():\n    from benchmarks.fuzz import campaign\n",
+                              "u.py": "import benchmarks.common as c\nfrom asyncsync import benchmarks_like\n"}) == [
+        "t.py:4 imports benchmarks.fuzz", "u.py:1 imports benchmarks.common"]  # the check sees both forms

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from asyncsync.protocol.schema import (  # WireError, shown and sane_text are imported from here too
     Between, Check, Codec, Each, IfAbsent, Items, Key, Message, OmitDefault, Path, Positive, Text,
-    WireError, at, is_int, read, sane_text, shown,
+    WireError, is_int, read, sane_text, shown,
 )
 from asyncsync.protocol.shm import ALIGN, HostIdentity, valid_segment_name
 from asyncsync.protocol.specs import Bucket, TensorSpec, dtype_from_name, dtype_name
@@ -65,13 +65,26 @@ def short(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 15] + "... (truncated)"
 
 
+HOST_RULE = "expected a host name or address, got {got}"
+
+
+def _resolvable(host: str) -> bool:
+    """A name ``socket.getaddrinfo`` takes: it encodes a name as IDNA, which refuses an empty label
+    (``a..b``) or one past 63 characters with a ``UnicodeError``, not the lookup error a receiver answers."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class GroupSpec(Message):
     """Everything a member needs to join a data-plane group: where the rendezvous store is, how many
     ranks, the group's name (the store prefix), the backend and the deadline of every collective."""
 
     WHERE = "group"
-    host: Annotated[str, Text(MAX_HOST_CHARS, "expected a host name or address, got {got}", spaces=False)]
+    host: Annotated[str, Text(MAX_HOST_CHARS, HOST_RULE, spaces=False), Check(_resolvable, HOST_RULE)]
     port: Annotated[int, Between(1, 65535, "{got} is not a port number")]
     world_size: Annotated[int, Between(2, MAX_WORLD_SIZE, "a group needs the trainer and at least one receiver (at "
                                                           f"most {MAX_WORLD_SIZE} ranks), got {{got}}")]
@@ -135,11 +148,11 @@ class BucketMeta(Message):
         return Bucket(index, tuple(specs), tuple(offsets), offset)
 
 
-def _host(value: Any, path: Path, _reading: Any) -> HostIdentity:
+def _host(value: Any, path: Path, reading: Any) -> HostIdentity:
     """A trainer's host identity (``shm.HostIdentity``, which reads its own JSON leniently)."""
     host = value if isinstance(value, HostIdentity) else HostIdentity.from_json(value)
     if host is None or not sane_text(host.boot_id, MAX_BOOT_ID_CHARS):
-        raise WireError(f"{at(path)}: expected {{'boot_id': str, 'shm_dev': int}}")
+        reading.fail(path, "expected {'boot_id': str, 'shm_dev': int}")
     return host
 
 

@@ -1,8 +1,9 @@
 """Every parser of the weight-update protocol, driven by hypothesis: for any JSON value (random, or a
 valid message with one field replaced by something hostile) a parser returns its message or raises
 its one documented error, whose message quotes little of the input; what it accepts is safe to act
-on (deadlines a ``timedelta`` takes, sizes an int64 holds, offsets aligned, names encodable); and
-every valid message survives a round trip through JSON."""
+on (deadlines a ``timedelta`` takes, sizes an int64 holds, offsets aligned, names encodable); every
+limit a message declares refuses the value just past it, naming the field; and every valid message
+survives a round trip through JSON."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ class ConfigReading(Strict):
             value = {shorthand: value}
         if not isinstance(value, Mapping):
             self.fail(path, f"expected a mapping, got {type(value).__name__}")
-        keys = sorted(key for _, key, _ in fields_of(cls))
+        keys = sorted(f.key for f in fields_of(cls))
         unknown = sorted(set(value) - set(keys))
         if unknown:
             self.fail((*path, unknown[0]), f"unknown key; valid keys are {keys}")

@@ -85,6 +85,11 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# The exact JSON types of the scalars (a number is a float, a bool is no int).
+_TAKES: dict[Any, Callable[[Any], bool]] = {int: is_int, float: is_number, bool: lambda v: isinstance(v, bool),
+                                            str: lambda v: isinstance(v, str)}
+
+
 # -- the vocabulary ------------------------------------------------------------------------------
 
 class Constraint:
@@ -105,7 +110,8 @@ class Between(Constraint):
     says: str = ""
 
     def problem(self, value: Any) -> str | None:
-        if is_int(value) and self.lo <= value and (self.hi is None or value <= self.hi):
+        if isinstance(value, int) and not isinstance(value, bool) and self.lo <= value and (
+                self.hi is None or value <= self.hi):
             return None
         range_ = f"an integer in [{self.lo}, {self.hi}]" if self.hi is not None else f"an integer >= {self.lo}"
         return (self.says or f"expected {range_}, got {{got}}").replace("{got}", shown(value))
@@ -160,7 +166,11 @@ class Each(Constraint):
     limit: Constraint
 
     def problem(self, value: Any) -> str | None:
-        return next((p for p in map(self.limit.problem, value) if p is not None), None)
+        for entry in value:
+            problem = self.limit.problem(entry)
+            if problem is not None:
+                return problem
+        return None
 
 
 @dataclass(frozen=True)
@@ -233,7 +243,7 @@ def unpack(hint: Any) -> tuple[Any, tuple[Any, ...]]:
     return hint, ()
 
 
-def optional_of(tp: Any) -> Any:
+def _optional_of(tp: Any) -> Any:
     """The type ``tp`` allows beside None, or None when it does not allow None."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) not in (typing.Union, types.UnionType) or type(None) not in args:
@@ -242,7 +252,7 @@ def optional_of(tp: Any) -> Any:
     return rest[0] if len(rest) == 1 else typing.Union[rest]
 
 
-def note(notes: Iterable[Any], kind: type) -> Any:
+def _note(notes: Iterable[Any], kind: type) -> Any:
     return next((n for n in notes if isinstance(n, kind)), None)
 
 
@@ -251,85 +261,156 @@ def is_declared(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A hint taken apart once (``plan``): how ``read`` and ``encode`` walk a value of it.
+
+    ``kind``: ``scalar``, ``literal`` (``options``), ``tuple`` (``entries``: one plan for
+    ``tuple[X, ...]``, one per place for a ``fixed`` tuple), ``declared`` (a dataclass) or ``codec``;
+    ``optional``: None is taken; ``limits``: its constraints, in order; ``why``: the suffix of a
+    refused choice; ``plain``: its JSON is the value itself."""
+
+    kind: str
+    tp: Any
+    notes: tuple[Any, ...]
+    optional: bool
+    options: tuple[Any, ...] = ()
+    entries: tuple[Plan, ...] = ()
+    fixed: bool = False
+    limits: tuple[Constraint, ...] = dataclasses.field(init=False)
+    codec: Codec | None = dataclasses.field(init=False)
+    why: str = dataclasses.field(init=False)
+    plain: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        why = _note(self.notes, Why)
+        object.__setattr__(self, "limits", tuple(n for n in self.notes if isinstance(n, Constraint)))
+        object.__setattr__(self, "codec", _note(self.notes, Codec))
+        object.__setattr__(self, "why", f" ({why.text})" if why else "")
+        object.__setattr__(self, "plain", self.kind in ("scalar", "literal"))
+
+
+@functools.cache
+def plan(hint: Any) -> Plan:
+    """``hint`` taken apart, once per hint (every field of every message is walked through this)."""
+    tp, notes = unpack(hint)
+    inner = _optional_of(tp)
+    if inner is not None:
+        tp, more = unpack(inner)
+        notes += more
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _note(notes, Codec) is not None:
+        return Plan("codec", tp, notes, inner is not None)
+    if origin is Literal:
+        return Plan("literal", tp, notes, inner is not None, options=args)
+    if origin is tuple:
+        fixed = not (len(args) == 2 and args[1] is Ellipsis)
+        entries = tuple(plan(a) for a in (args if fixed else args[:1]))
+        return Plan("tuple", tp, notes, inner is not None, entries=entries, fixed=fixed)
+    return Plan("declared" if is_declared(tp) else "scalar", tp, notes, inner is not None)
+
+
 def read(hint: Any, value: Any, path: Path, how: Any) -> Any:
     """``value`` (JSON, or a value already built) as a field of type ``hint``, every limit checked;
     problems go to ``how``, the reading, which raises or records them."""
-    tp, notes = unpack(hint)
-    inner = optional_of(tp)
-    if inner is not None:
-        if value is None:
-            return None
-        tp, more = unpack(inner)
-        notes += more
-    why = note(notes, Why)
-    codec = note(notes, Codec)
-    if codec is not None:
-        return codec.read(value, path, how)
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return how.literal(typing.get_args(tp), value, path, f" ({why.text})" if why else "")
-    if origin is tuple:
-        return _sequence(tp, notes, value, path, how)
-    if is_declared(tp):
-        return how.message(tp, value, path)
-    value = how.scalar(tp, value, path)
-    _limits(notes, value, path, how)
+    return read_as(plan(hint), value, path, how)
+
+
+def read_as(p: Plan, value: Any, path: Path, how: Any) -> Any:
+    """``read`` for a hint already taken apart (a field's ``Field.plan``)."""
+    if value is None and p.optional:
+        return None
+    if p.kind == "codec":
+        return p.codec.read(value, path, how)  # type: ignore[union-attr]
+    if p.kind == "literal":
+        return how.literal(p.options, value, path, p.why)
+    if p.kind == "tuple":
+        return _sequence(p, value, path, how)
+    if p.kind == "declared":
+        return how.message(p.tp, value, path)
+    value = how.scalar(p.tp, value, path)
+    _limits(p, value, path, how)
     return value
 
 
-def _limits(notes: Iterable[Any], value: Any, path: Path, how: Any) -> None:
-    for limit in notes:
-        if isinstance(limit, Constraint):
-            problem = limit.problem(value)
-            if problem is not None:
-                how.fail(path, problem)
+def _limits(p: Plan, value: Any, path: Path, how: Any) -> None:
+    for limit in p.limits:
+        problem = limit.problem(value)
+        if problem is not None:
+            how.fail(path, problem)
 
 
-def _sequence(tp: Any, notes: tuple[Any, ...], value: Any, path: Path, how: Any) -> Any:
+def _sequence(p: Plan, value: Any, path: Path, how: Any) -> Any:
     """A JSON list as a tuple: its limits first (its length before any entry is read), then each entry."""
     entries = how.sequence(value, path)
     if entries is None:  # refused, and recorded
         return value
-    _limits(notes, entries, path, how)
-    args = typing.get_args(tp)
-    if len(args) == 2 and args[1] is Ellipsis:
-        return tuple(read(args[0], v, (*path, i), how) for i, v in enumerate(entries))
-    if len(entries) != len(args):
-        how.fail(path, f"expected a list of {len(args)} entries, got {shown(value)}")
-    return tuple(read(a, v, (*path, i), how) for i, (a, v) in enumerate(zip(args, entries)))
+    _limits(p, entries, path, how)
+    if not p.fixed:
+        (entry,) = p.entries
+        if _taken_as_they_are(entry, entries):
+            return tuple(entries)
+        return tuple([read_as(entry, v, (*path, i), how) for i, v in enumerate(entries)])
+    if len(entries) != len(p.entries):
+        how.fail(path, f"expected a list of {len(p.entries)} entries, got {shown(value)}")
+    return tuple([read_as(e, v, (*path, i), how) for i, (e, v) in enumerate(zip(p.entries, entries))])
+
+
+def _taken_as_they_are(p: Plan, values: Iterable[Any]) -> bool:
+    """Every value already of the scalar type of ``p`` and within its limits, so that every reading
+    takes it unchanged: a long list (a bucket's names, a shape's sizes) skips the walk per entry,
+    which a failing entry takes, to be named by its index."""
+    test = _TAKES.get(p.tp) if p.kind == "scalar" else None
+    if test is None or not all(map(test, values)):
+        return False
+    return not any(limit.problem(v) is not None for limit in p.limits for v in values)
+
+
+@dataclass(frozen=True)
+class Field:
+    """A field of a dataclass as this module reads it: its name, JSON key, plan and default."""
+
+    name: str
+    key: str
+    plan: Plan
+    required: bool
+    default: Callable[[], Any]
 
 
 @functools.cache
-def fields_of(cls: type) -> tuple[tuple[dataclasses.Field[Any], str, Any], ...]:
-    """Each field of dataclass ``cls``: the field, its JSON key and its full hint (notes included)."""
+def fields_of(cls: type) -> tuple[Field, ...]:
+    """Each field of dataclass ``cls``, its hint (notes included) taken apart once."""
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
-        key = note(unpack(hints[f.name])[1], Key)
-        out.append((f, key.name if key else f.name, hints[f.name]))
+        p = plan(hints[f.name])
+        key = _note(p.notes, Key)
+        required = f.default is MISSING and f.default_factory is MISSING
+        default = f.default_factory if f.default is MISSING else (lambda value=f.default: value)
+        out.append(Field(f.name, key.name if key else f.name, p, required, default))  # type: ignore[arg-type]
     return tuple(out)
 
 
-def present(cls: type, data: Mapping[str, Any], path: Path, how: Any) -> Iterator[tuple[str, str, Any, Any]]:
-    """(name, key, hint, JSON value) of each field of ``cls`` that ``data`` gives (or whose ``IfAbsent``
-    stands in), in order; ``how.missing`` hears of each required field it lacks."""
-    for f, key, hint in fields_of(cls):
-        if key in data:
-            yield f.name, key, hint, data[key]
+def present(cls: type, data: Mapping[str, Any], path: Path, how: Any) -> Iterator[tuple[Field, Any]]:
+    """Each field of ``cls`` that ``data`` gives (or whose ``IfAbsent`` stands in), with its JSON
+    value, in order; ``how.missing`` hears of each required field it lacks."""
+    for f in fields_of(cls):
+        if f.key in data:
+            yield f, data[f.key]
             continue
-        absent = note(unpack(hint)[1], IfAbsent)
+        absent = _note(f.plan.notes, IfAbsent)
         if absent is not None:
-            yield f.name, key, hint, absent.value
-        elif f.default is MISSING and f.default_factory is MISSING:
-            how.missing(path, key, data)
+            yield f, absent.value
+        elif f.required:
+            how.missing(path, f.key, data)
 
 
 def check(obj: Any, path: Path, how: Any) -> None:
     """Read every field of ``obj`` in place (its limits; JSON lists become tuples, JSON objects nested
     dataclasses), then its rules: a ``Declared`` class's ``rules``, a plain dataclass's
     ``__post_init__``. A rule's error, relative to ``obj``, gets ``path`` in front."""
-    for f, key, hint in fields_of(type(obj)):
-        object.__setattr__(obj, f.name, read(hint, getattr(obj, f.name), (*path, key), how))
+    for f in fields_of(type(obj)):
+        object.__setattr__(obj, f.name, read_as(f.plan, getattr(obj, f.name), (*path, f.key), how))
     rules = obj.rules if isinstance(obj, Declared) else getattr(obj, "__post_init__", None)
     if rules is None:
         return
@@ -344,14 +425,10 @@ def decode(cls: type, data: Any, path: Path, how: Any) -> Any:
     their path from ``path`` on. Built without ``__init__`` so that each check runs once, under the
     path the object was read at."""
     data = how.mapping(cls, data, path)
-    given = {name: value for name, _, _, value in present(cls, data, path, how)}
+    given = {f.name: value for f, value in present(cls, data, path, how)}
     obj = object.__new__(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            value = given[f.name]
-        else:
-            value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        object.__setattr__(obj, f.name, value)
+    for f in fields_of(cls):
+        object.__setattr__(obj, f.name, given[f.name] if f.name in given else f.default())
     check(obj, path, how)
     return obj
 
@@ -359,30 +436,26 @@ def decode(cls: type, data: Any, path: Path, how: Any) -> Any:
 def encode(obj: Any) -> Any:
     """The JSON of a dataclass instance, field by field as declared (keys, codecs, omitted defaults)."""
     out = {}
-    for f, key, hint in fields_of(type(obj)):
+    for f in fields_of(type(obj)):
         value = getattr(obj, f.name)
-        if note(unpack(hint)[1], OmitDefault) and value == (f.default if f.default is not MISSING else f.default_factory()):  # type: ignore[misc]
+        if _note(f.plan.notes, OmitDefault) and value == f.default():
             continue
-        out[key] = _json(hint, value)
+        out[f.key] = _write(f.plan, value)
     envelope = getattr(obj, "ENVELOPE", "")
     return {envelope: out} if envelope else out
 
 
-def _json(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    tp, notes = unpack(hint)
-    codec = note(notes, Codec)
-    if codec is not None:
-        return codec.write(value)
-    inner = optional_of(tp)
-    if inner is not None:
-        return _json(inner, value)
-    if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        return [_json(h, v) for h, v in zip(hints, value)]
-    return encode(value) if is_declared(type(value)) else value
+def _write(p: Plan, value: Any) -> Any:
+    if value is None or p.plain:
+        return value
+    if p.kind == "codec":
+        return p.codec.write(value)  # type: ignore[union-attr]
+    if p.kind == "declared":
+        return encode(value)
+    if not p.fixed and p.entries[0].plain:
+        return list(value)
+    entries = p.entries * len(value) if not p.fixed else p.entries
+    return [_write(e, v) for e, v in zip(entries, value)]
 
 
 # -- asyncsync's reading ------------------------------------------------------------------------------
@@ -427,15 +500,12 @@ class Strict:
 
     def takes(self, tp: Any, value: Any) -> bool:
         """Whether ``value`` is a value of the scalar type ``tp`` (or of any type of a union)."""
-        if tp is Any:
-            return True
+        test = _TAKES.get(tp)
+        if test is not None:
+            return test(value)
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             return any(self.takes(t, value) for t in typing.get_args(tp))
-        if tp is int:
-            return is_int(value)
-        if tp is float:
-            return is_number(value)
-        return isinstance(value, typing.get_origin(tp) or tp)
+        return tp is Any or isinstance(value, typing.get_origin(tp) or tp)
 
     def type_name(self, tp: Any) -> str:
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -484,7 +554,7 @@ class Message(Declared):
     @classmethod
     def json_keys(cls) -> set[str]:
         """The keys at the top of its JSON object."""
-        return {cls.ENVELOPE} if cls.ENVELOPE else {key for _, key, _ in fields_of(cls)}
+        return {cls.ENVELOPE} if cls.ENVELOPE else {f.key for f in fields_of(cls)}
 
 
 class Tags:

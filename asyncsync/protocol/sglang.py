@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from asyncsync.protocol.schema import Path, present, read
+from asyncsync.protocol.schema import Path, present, read_as
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError, shown
 
 SGLANG_RELEASE = "0.5.23"
@@ -182,8 +182,7 @@ class SglangRequest:
                                    "input": data}])
         errors: list[dict[str, Any]] = []
         lax = PydanticLax(errors)
-        values = {name: read(hint, value, ("body", key), lax)
-                  for name, key, hint, value in present(cls, data, ("body",), lax)}
+        values = {f.name: read_as(f.plan, value, ("body", f.key), lax) for f, value in present(cls, data, ("body",), lax)}
         if errors:
             raise RequestInvalid(errors)
         return cls(**values)

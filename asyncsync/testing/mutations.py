@@ -17,9 +17,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from asyncsync.protocol.schema import (
-    Between, Codec, Constraint, Each, Items, Message, OneOf, Positive, Text, fields_of, is_declared, optional_of, unpack,
-)
+from asyncsync.protocol.schema import Between, Constraint, Each, Items, Message, OneOf, Plan, Positive, Text, fields_of
 
 HOSTILE: list[Any] = [
     float("nan"), float("inf"), -float("inf"), 1e300, -1e300, 1e-300, 2**63, 2**64, -(2**63) - 1, 10**40, -1, 0, 1,
@@ -87,38 +85,25 @@ def field_mutations(cls: type[Message], doc: Any) -> list[tuple[Place, Any]]:
 
 def _fields(cls: type, doc: dict[str, Any], place: Place) -> list[tuple[Place, Any]]:
     out = []
-    for _, key, hint in fields_of(cls):
-        if key in doc:
-            out += _breaking(hint, doc[key], (*place, key))
+    for f in fields_of(cls):
+        if f.key in doc:
+            out += _breaking(f.plan, doc[f.key], (*place, f.key))
     return out
 
 
-def _breaking(hint: Any, value: Any, place: Place) -> list[tuple[Place, Any]]:
-    tp, notes = unpack(hint)
-    inner = optional_of(tp)
-    if inner is not None:
-        tp, more = unpack(inner)
-        notes += more
-    out = [(place, bad) for bad in [*_past_limits(notes), *_wrong_types(tp, notes)]]
-    if any(isinstance(n, Codec) for n in notes):  # its JSON is its codec's, not its type's
-        return out
-    if typing.get_origin(tp) is tuple and isinstance(value, list):
-        args = typing.get_args(tp)
-        hints = [args[0]] if len(args) == 2 and args[1] is Ellipsis else list(args)
-        for i, h in enumerate(hints[:len(value)]):
-            out += _breaking(h, value[i], (*place, i))
-    elif is_declared(tp) and isinstance(value, dict):
-        out += _fields(tp, value, place)
+def _breaking(p: Plan, value: Any, place: Place) -> list[tuple[Place, Any]]:
+    out = [(place, bad) for bad in [*_past_limits(p), *_wrong_types(p)]]
+    if p.kind == "tuple" and isinstance(value, list):  # a list's first entry (its one plan), a fixed tuple's every place
+        for i, (entry, v) in enumerate(zip(p.entries, value)):
+            out += _breaking(entry, v, (*place, i))
+    elif p.kind == "declared" and isinstance(value, dict):
+        out += _fields(p.tp, value, place)
     return out
 
 
-def _past_limits(notes: tuple[Any, ...]) -> list[Any]:
-    """Values just past each limit of ``notes``."""
-    out: list[Any] = []
-    for limit in notes:
-        if isinstance(limit, Constraint):
-            out += _past(limit)
-    return out
+def _past_limits(p: Plan) -> list[Any]:
+    """Values just past each limit of ``p``."""
+    return [bad for limit in p.limits for bad in _past(limit)]
 
 
 def _past(limit: Constraint) -> list[Any]:
@@ -137,15 +122,14 @@ def _past(limit: Constraint) -> list[Any]:
     return []  # a Check: its rule is code; the wrong types probe it
 
 
-def _wrong_types(tp: Any, notes: tuple[Any, ...]) -> list[Any]:
-    """Values of another JSON type than ``tp`` takes (never None: an optional field takes it)."""
-    if any(isinstance(n, Codec) for n in notes):  # no codec of the protocol reads a number or a bare string
+def _wrong_types(p: Plan) -> list[Any]:
+    """Values of another JSON type than ``p`` takes (never None: an optional field takes it)."""
+    if p.kind == "codec":  # no codec of the protocol reads a number or a bare string
         return [7, "x"]
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
+    if p.kind == "literal":
         return ["no-such-choice", 0]
-    if origin is tuple:
+    if p.kind == "tuple":
         return ["x", {}]
-    if is_declared(tp) or tp is dict or origin is dict:
+    if p.kind == "declared" or p.tp is dict or typing.get_origin(p.tp) is dict:
         return [[], "x"]
-    return {int: ["1", 1.5, True], float: ["1", True], bool: ["true", 1], str: [7, ["x"]]}.get(tp, [[], {}])
+    return {int: ["1", 1.5, True], float: ["1", True], bool: ["true", 1], str: [7, ["x"]]}.get(p.tp, [[], {}])

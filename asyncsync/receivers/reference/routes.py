@@ -2,7 +2,7 @@
 
 A row says what a route takes and answers, so that the server (``app.py``: asyncsync's own routes;
 ``sglang_api.py``: SGLang's), the ownership rule (``owner``: only the owning trainer session may
-call it) and the route fuzzer (``asyncsync/testing/fuzz.py``: which routes exist, a valid body of
+call it) and the route fuzzer (``asyncsync/testing/probes.py``: which routes exist, a valid body of
 each from its message type, and each declared field's limits to break) all read the same rows. A
 route that takes a message is handed it decoded (``takes``; ``where`` names it in errors where the
 message's own name does not fit); a route whose body is checked against the served model (the

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
 import yaml
 
 from asyncsync.packing import backend_names
+from asyncsync.protocol.schema import (
+    Between, Check, Codec, Declared, OneOf, Positive, Strict, Why, at, decode, fields_of,
+)
+from asyncsync.protocol.schema import Path as FieldPath  # (pathlib's Path is a file's)
 from asyncsync.protocol.specs import DEFAULT_BUCKET_BYTES, LAYOUTS
-from asyncsync.protocol.wire import MAX_DEADLINE_S, MAX_RELAY_EDGES, RECEIVE_MODES
+from asyncsync.protocol.wire import MAX_DEADLINE_S, MAX_RELAY_EDGES, ReceiveMode
 from asyncsync.registry import ENGINES
 
-DATA_PLANE_BACKENDS = ("auto", "gloo", "nccl")
-TRANSPORTS = ("auto", "collective", "shm")
-DELTA_MODES = ("auto", "off")
-LORA_MODES = ("merged", "adapter")
-VERIFY_MODES = ("off", "logprobs")
-DIVERGENCE_POLICIES = ("report", "evict")
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,55}$")
+_URL = re.compile(r"^https?://[^/\s]+")
 T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -48,8 +48,75 @@ def parse_bytes(value: int | str, key: str) -> int:
     return n
 
 
+class ConfigReading(Strict):
+    """How a configuration is read: ``schema.Strict`` in a configuration's words. An unknown or a
+    missing key is refused by its name, a class with a ``SHORTHAND`` field takes a bare value for it
+    (a server given as its URL), and a bare ``off``/``on``, which PyYAML (YAML 1.1) reads as
+    false/true, is that word wherever a string is expected."""
+
+    error = ConfigError
+    ROOT = "config"
+    WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+    def mapping(self, cls: type, value: Any, path: FieldPath) -> Mapping[str, Any]:
+        shorthand = getattr(cls, "SHORTHAND", None)
+        if shorthand is not None and not isinstance(value, Mapping):
+            value = {shorthand: value}
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected a mapping, got {type(value).__name__}")
+        keys = sorted(f.key for f in fields_of(cls))
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            self.fail((*path, unknown[0]), f"unknown key; valid keys are {keys}")
+        return value
+
+    def missing(self, path: FieldPath, key: str, data: Mapping[str, Any]) -> NoReturn:
+        self.fail((*path, key), "missing; this setting has no default")
+
+    def sequence(self, value: Any, path: FieldPath) -> Any:
+        if not isinstance(value, (list, tuple)):
+            self.fail(path, f"expected a list, got {type(value).__name__}")
+        return value
+
+    def literal(self, options: tuple[Any, ...], value: Any, path: FieldPath, why: str) -> Any:
+        return super().literal(options, _word(value), path, why)
+
+    def scalar(self, tp: Any, value: Any, path: FieldPath) -> Any:
+        value = _word(value) if tp is str else value
+        if not self.takes(tp, value):
+            self.fail(path, f"expected {self.WORDS.get(tp) or self.type_name(tp)}, got {value!r}")
+        return value
+
+
+def _word(value: Any) -> Any:
+    """A YAML 1.1 bare ``on``/``off`` (read as true/false) as the word it was."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+class Setting(Declared):
+    """A section of the configuration, its keys declared with ``protocol/schema.py``'s vocabulary and
+    read by ``ConfigReading``; ``rules`` hold what spans keys (errors name the first key involved)."""
+
+    READING = ConfigReading()
+
+
+def _byte_size(value: Any, path: FieldPath, _reading: Any) -> int:
+    return parse_bytes(value, at(path))
+
+
+def _http_url(value: str) -> bool:
+    return _URL.match(value) is not None
+
+
+def _fanout(value: str | int) -> bool:
+    return value in ("direct", "auto") if isinstance(value, str) else 1 <= value <= MAX_RELAY_EDGES
+
+
+PositiveSeconds = Annotated[float, Positive(says="must be a positive number, got {got}")]
+
+
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(Setting):
     """One inference server: its kind, its control URL, an optional bearer token, and the update
     policies of vLLM and SGLang servers (the reference server swaps versions atomically and needs none):
 
@@ -69,33 +136,23 @@ class ServerConfig:
       server's host (``asyncsync serve`` of the same architecture), which receives each adapter
       version and writes it where SGLang's ``/load_lora_adapter`` reads it (SGLang runs no code of ours)."""
 
-    url: str
-    kind: str = "reference"
+    url: Annotated[str, Check(_http_url, "{got} is not an http(s) URL such as http://127.0.0.1:8000")]
+    kind: Annotated[str, OneOf(ENGINES.names, "{got} is not a registered engine kind; registered: {options} "
+                                              "(asyncsync.engines.register_engine adds one)")] = "reference"
     token: str | None = None
     pause: bool = True
     mix_versions: bool = False
     reset_prefix_cache: bool = True
-    receive: str = "background"
+    receive: ReceiveMode = "background"
     lora_receiver: str | None = None
 
     SHORTHAND = "url"  # a bare string in a config is a server's URL
 
-    def __post_init__(self) -> None:
-        if self.kind not in ENGINES.targets:
-            raise ConfigError(f"kind: {self.kind!r} is not a registered engine kind; registered: {ENGINES.names()} "
-                              "(asyncsync.engines.register_engine adds one)")
-        for name in ("pause", "mix_versions", "reset_prefix_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.receive not in RECEIVE_MODES:
-            raise ConfigError(f"receive: {self.receive!r} is not one of {list(RECEIVE_MODES)}")
+    def rules(self) -> None:
         if self.kind == "vllm" and not self.pause and not self.mix_versions:
             raise ConfigError("pause: false lets vLLM switch versions under running requests, so a request may be "
                               "generated by two versions; set mix_versions: true to allow that, or keep pause: true")
-        if not isinstance(self.url, str) or not re.match(r"^https?://[^/\s]+", self.url):
-            raise ConfigError(f"url: {self.url!r} is not an http(s) URL such as http://127.0.0.1:8000")
-        if self.lora_receiver is not None and (self.kind != "sglang" or not isinstance(self.lora_receiver, str)
-                                               or not re.match(r"^https?://[^/\s]+", self.lora_receiver)):
+        if self.lora_receiver is not None and (self.kind != "sglang" or not _http_url(self.lora_receiver)):
             raise ConfigError(f"lora_receiver: {self.lora_receiver!r}: the http(s) URL of an asyncsync receiver on an "
                               "SGLang server's host (kind: sglang only)")
 
@@ -105,7 +162,7 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class Deadlines:
+class Deadlines(Setting):
     """Seconds each kind of wait may take before the server involved is considered failed.
 
     ``collective_s`` is the ceiling of one broadcast. Once a version has been sent, each broadcast's
@@ -114,18 +171,14 @@ class Deadlines:
     ``load_s``: an engine loading an adapter version through its own API (``lora: adapter``); no
     collective of the trainer waits on it, so it is not part of the trainer ranks' deadline."""
 
-    rendezvous_s: float = 60.0
-    collective_s: float = 120.0
-    http_s: float = 120.0
-    broadcast_floor_s: float = 2.0
-    broadcast_factor: float = 8.0
-    load_s: float = 120.0
+    rendezvous_s: PositiveSeconds = 60.0
+    collective_s: PositiveSeconds = 120.0
+    http_s: PositiveSeconds = 120.0
+    broadcast_floor_s: PositiveSeconds = 2.0
+    broadcast_factor: PositiveSeconds = 8.0
+    load_s: PositiveSeconds = 120.0
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{f.name}: must be a positive number, got {v!r}")
+    def rules(self) -> None:
         if self.broadcast_factor < 1:
             raise ConfigError(f"broadcast_factor: a deadline below the expected time fails healthy broadcasts; "
                               f"use a factor >= 1, got {self.broadcast_factor}")
@@ -141,119 +194,67 @@ class Deadlines:
 
 
 @dataclass(frozen=True)
-class WeightSyncConfig:
+class WeightSyncConfig(Setting):
     """How weights travel from the trainer to its servers. See ``configs/default.yaml`` for every field."""
 
     async_weight_update: bool = False
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    backend: str = "auto"
-    pack_backend: str = "auto"
+    bucket_bytes: Annotated[int, Codec(_byte_size, int)] = DEFAULT_BUCKET_BYTES
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    pack_backend: Annotated[str, OneOf(backend_names)] = "auto"
     checksum: bool = True
-    max_staleness: int = 1
+    max_staleness: Annotated[int, Between(0)] = 1
     servers: tuple[ServerConfig, ...] = ()
     deadlines: Deadlines = field(default_factory=Deadlines)
     group_per_server: bool = False
-    fanout: str | int = "direct"
-    readmit_interval_s: float = 5.0
+    fanout: Annotated[str | int, Check(_fanout, "expected direct (the trainer sends to every server), auto (servers "
+                                                "relay along a chain or tree planned from the bucket count) or the "
+                                                f"servers each one relays to (1-{MAX_RELAY_EDGES}; 1: a chain), got "
+                                                "{got}")] = "direct"
+    readmit_interval_s: Annotated[float, Positive(says="expected a positive number of seconds, got {got}")] = 5.0
     master_addr: str = "127.0.0.1"
-    master_port: int = 0
+    master_port: Annotated[int, Between(0, 65535, "expected 0 (pick a free port) or a port number, got {got}")] = 0
     group_name: str = "asyncsync"
     takeover: bool = False
-    trainer_ranks: str | int = "auto"
+    trainer_ranks: Annotated[str | int, Check(lambda ranks: ranks in ("auto", 1), (
+        "expected auto (every rank of torch.distributed's default group calls connect/publish/close) or 1 (only this "
+        "process), got {got}"))] = "auto"
     funnel: bool = False
-    snapshot: str = "device"
-    transport: str = "auto"
-    delta: str = "auto"
-    layout: str = "checkpoint"
-    lora: str = "merged"
-    lora_name: str = "policy"
-    verify: str = "off"
-    verify_every: int = 10
-    verify_tolerance: float | None = None
-    on_divergence: str = "report"
+    snapshot: Literal["device", "host"] = "device"
+    transport: Annotated[Literal["auto", "collective", "shm"], Why(
+        "auto: shared memory for servers on this host, the data-plane group for the others")] = "auto"
+    delta: Annotated[Literal["auto", "off"], Why(
+        "auto: a server that committed the last version gets what changed since, off: every version whole")] = "auto"
+    layout: Annotated[Literal[LAYOUTS], Why(
+        "checkpoint: the names and layouts engines load, from transformers' own conversion; trainer: the module's "
+        "own names")] = "checkpoint"
+    lora: Annotated[Literal["merged", "adapter"], Why(
+        "merged: a PEFT model's adapter merged into the weights sent; adapter: only the adapter per version, loaded "
+        "by each engine's own LoRA API")] = "merged"
+    lora_name: Annotated[str, Check(_ADAPTER_NAME.match, "{got}: expected 1-56 letters, digits, '.', '_' or '-' "
+                                                         "(versions are served as <lora_name>-v<N>)")] = "policy"
+    verify: Annotated[Literal["off", "logprobs"], Why(
+        "logprobs: at connect and every verify_every versions each server scores a probe the trainer scores too; "
+        "off: bytes only")] = "off"
+    verify_every: Annotated[int, Between(1, None, "expected a whole number of versions >= 1, got {got}")] = 10
+    verify_tolerance: Annotated[float | None, Positive(sys.float_info.max, (
+        "expected a positive number (nats of log-probability), or null for the weights' dtype's default, got "
+        "{got}"))] = None
+    on_divergence: Annotated[Literal["report", "evict"], Why(
+        "report: an event, an error and a counter; evict: also evict the server, as a dead one")] = "report"
 
-    def __post_init__(self) -> None:
-        self._check_modes()
-        self._check_switches()
-        object.__setattr__(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
-        self._check_backends_and_limits()
-        self._check_servers()
-
-    def _check_modes(self) -> None:
-        """The named modes, and the pairs of them that cannot work together."""
-        if self.delta not in DELTA_MODES:
-            raise ConfigError(f"delta: {self.delta!r} is not one of {list(DELTA_MODES)} (auto: a server that committed "
-                              "the last version gets what changed since, off: every version whole)")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)} (checkpoint: the names and layouts "
-                              "engines load, from transformers' own conversion; trainer: the module's own names)")
-        if self.lora not in LORA_MODES:
-            raise ConfigError(f"lora: {self.lora!r} is not one of {list(LORA_MODES)} (merged: a PEFT model's adapter merged "
-                              "into the weights sent; adapter: only the adapter per version, loaded by each engine's own "
-                              "LoRA API)")
+    def rules(self) -> None:
+        """The pairs of settings that cannot work together."""
         if self.lora == "adapter" and self.layout != "checkpoint":
             raise ConfigError("lora: adapter sends the base in the checkpoint layout engines load: keep layout: checkpoint")
-        if not isinstance(self.lora_name, str) or not _ADAPTER_NAME.match(self.lora_name):
-            raise ConfigError(f"lora_name: {self.lora_name!r}: expected 1-56 letters, digits, '.', '_' or '-' (versions are "
-                              "served as <lora_name>-v<N>)")
-        if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"verify: {self.verify!r} is not one of {list(VERIFY_MODES)} (logprobs: at connect and every "
-                              "verify_every versions each server scores a probe the trainer scores too; off: bytes only)")
         if self.verify != "off" and self.lora == "adapter":
             raise ConfigError("verify: logprobs checks the weights a server serves; with lora: adapter each version is an "
                               "adapter the engine loads under its own name: use verify: off")
-        if not isinstance(self.verify_every, int) or isinstance(self.verify_every, bool) or self.verify_every < 1:
-            raise ConfigError(f"verify_every: expected a whole number of versions >= 1, got {self.verify_every!r}")
-        if self.verify_tolerance is not None and (not isinstance(self.verify_tolerance, (int, float)) or
-                                                  isinstance(self.verify_tolerance, bool) or
-                                                  not 0 < self.verify_tolerance < float("inf")):
-            raise ConfigError(f"verify_tolerance: expected a positive number (nats of log-probability), or null for "
-                              f"the weights' dtype's default, got {self.verify_tolerance!r}")
-        if self.on_divergence not in DIVERGENCE_POLICIES:
-            raise ConfigError(f"on_divergence: {self.on_divergence!r} is not one of {list(DIVERGENCE_POLICIES)} (report: an "
-                              "event, an error and a counter; evict: also evict the server, as a dead one)")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport: {self.transport!r} is not one of {list(TRANSPORTS)} (auto: shared memory for "
-                              "servers on this host, the data-plane group for the others)")
-
-    def _check_switches(self) -> None:
-        if not isinstance(self.async_weight_update, bool):
-            raise ConfigError(f"async_weight_update: expected true or false, got {self.async_weight_update!r}")
-        if not isinstance(self.group_per_server, bool):
-            raise ConfigError(f"group_per_server: expected true or false, got {self.group_per_server!r}")
         if self.group_per_server and not self.async_weight_update:
             raise ConfigError("group_per_server: needs async_weight_update: true (a blocking publish waits for every server anyway)")
-        if not isinstance(self.checksum, bool):
-            raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
-        if not isinstance(self.takeover, bool):
-            raise ConfigError(f"takeover: expected true or false, got {self.takeover!r}")
-        if self.trainer_ranks not in ("auto", 1):
-            raise ConfigError(f"trainer_ranks: expected auto (every rank of torch.distributed's default group calls "
-                              f"connect/publish/close) or 1 (only this process), got {self.trainer_ranks!r}")
-        if not isinstance(self.funnel, bool):
-            raise ConfigError(f"funnel: expected true or false, got {self.funnel!r}")
-        if self.fanout not in ("direct", "auto") and (not isinstance(self.fanout, int) or isinstance(self.fanout, bool)
-                                                       or not 1 <= self.fanout <= MAX_RELAY_EDGES):
-            raise ConfigError(f"fanout: expected direct (the trainer sends to every server), auto (servers relay along a "
-                              f"chain or tree planned from the bucket count) or the servers each one relays to (1-"
-                              f"{MAX_RELAY_EDGES}; 1: a chain), got {self.fanout!r}")
         if self.fanout != "direct" and self.group_per_server:
             raise ConfigError("fanout: a relay sends one version down one tree; group_per_server sends each server its "
                               "own: use one of them")
-        if self.snapshot not in ("device", "host"):
-            raise ConfigError(f"snapshot: expected device or host, got {self.snapshot!r}")
-
-    def _check_backends_and_limits(self) -> None:
-        if self.backend not in DATA_PLANE_BACKENDS:
-            raise ConfigError(f"backend: {self.backend!r} is not one of {list(DATA_PLANE_BACKENDS)}")
-        if self.pack_backend not in backend_names():
-            raise ConfigError(f"pack_backend: {self.pack_backend!r} is not one of {backend_names()}")
-        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
-            raise ConfigError(f"max_staleness: expected an integer >= 0, got {self.max_staleness!r}")
-        if not isinstance(self.readmit_interval_s, (int, float)) or isinstance(self.readmit_interval_s, bool) or self.readmit_interval_s <= 0:
-            raise ConfigError(f"readmit_interval_s: expected a positive number of seconds, got {self.readmit_interval_s!r}")
-        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
-            raise ConfigError(f"master_port: expected 0 (pick a free port) or a port number, got {self.master_port!r}")
+        self._check_servers()
 
     def _check_servers(self) -> None:
         urls = [s.base_url for s in self.servers]
@@ -286,42 +287,9 @@ class WeightSyncConfig:
 
 
 def from_mapping(cls: type[T], data: Any, prefix: str = "") -> T:
-    """Build the frozen dataclass ``cls`` from a mapping (parsed YAML): unknown keys are refused, fields
-    typed as dataclasses (or tuples of them) are built recursively, and every error names its key path
-    from the top (``prefix``), e.g. ``servers[1].kind: ...``. A class with a ``SHORTHAND`` field name
-    also accepts a bare value for that field (a server given as its URL)."""
-    where = prefix.rstrip(".") or "config"
-    shorthand = getattr(cls, "SHORTHAND", None)
-    if shorthand is not None and not isinstance(data, Mapping):
-        data = {shorthand: data}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; valid keys are {sorted(known)}")
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{prefix}{missing[0]}: missing; this setting has no default")
-    kwargs = {key: _field_value(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:  # __post_init__ names the field; add where the dataclass sits
-        raise ConfigError(f"{prefix}{e}") from None
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _field_value(hint: Any, value: Any, path: str) -> Any:
-    if hint is str and isinstance(value, bool):  # YAML 1.1 (PyYAML) reads a bare off / on as false / true
-        return "on" if value else "off"
-    if dataclasses.is_dataclass(hint):
-        return from_mapping(hint, value, f"{path}.")
-    args = get_args(hint)
-    if get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        return tuple(from_mapping(args[0], v, f"{path}[{i}].") for i, v in enumerate(value))
-    return value
+    """Build the frozen dataclass ``cls`` from a mapping (parsed YAML) as ``ConfigReading`` reads it:
+    unknown keys are refused, each key's type and limits are checked, sections (dataclasses, or
+    tuples of them) are built recursively, and every error names its key path from the top
+    (``prefix``), e.g. ``servers[1].kind: ...``. A plain dataclass's ``__post_init__`` runs as its
+    rules, its errors prefixed alike."""
+    return decode(cls, data, (prefix.rstrip("."),) if prefix else (), Setting.READING)

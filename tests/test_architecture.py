@@ -371,7 +371,8 @@ BOOK = "asyncsync.transport.book"
 def state_writers(sources: dict[str, str]) -> list[str]:
     """Places outside the book that could write a server's state: a ``ServerRecord`` made or replaced,
     the book's records reached past its transitions, or a frozen record's attribute forced
-    (``object.__setattr__``)."""
+    (``object.__setattr__`` on a record: a value's own ``__post_init__`` and the messages' decoder
+    set their own fields so, and are not records)."""
     problems = []
     for module, code in sources.items():
         if module == BOOK:
@@ -385,7 +386,7 @@ def state_writers(sources: dict[str, str]) -> list[str]:
                     problems.append(f"{module}:{node.lineno} makes a ServerRecord")
                 elif called.split(".")[-1] == "replace" and any("record" in ast.unparse(a).lower() for a in node.args):
                     problems.append(f"{module}:{node.lineno} replaces a ServerRecord")
-                elif called == "object.__setattr__" and ast.unparse(node.args[0]) != "self":  # a value's own __post_init__ may
+                elif called == "object.__setattr__" and "record" in ast.unparse(node.args[0]).lower():
                     problems.append(f"{module}:{node.lineno} forces an attribute of a frozen value")
     return sorted(problems, key=lambda p: int(p.split(":")[1].split()[0]))
 
@@ -424,3 +425,25 @@ def test_the_state_check_sees_each_way_around_the_book():
         "asyncsync.trainer.liar:4 makes a ServerRecord", "asyncsync.trainer.liar:4 reaches the book's records",
         "asyncsync.trainer.liar:5 replaces a ServerRecord", "asyncsync.trainer.liar:6 forces an attribute of a frozen value"]
     assert state_writers({BOOK: code}) == [], "the book itself may"
+
+
+def benchmark_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of the ``benchmarks`` package (anywhere in a module: inside functions too) in
+    ``sources`` (file name -> its code): what tests share with benchmarks lives in the package
+    (``asyncsync.testing``), so a test never runs a benchmark's code."""
+    problems = []
+    for name, code in sources.items():
+        for node in ast.walk(ast.parse(code)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            problems += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] == "benchmarks"]
+    return problems
+
+
+def test_no_test_imports_a_benchmark():
+    sources = {str(p.relative_to(REPO)): p.read_text() for p in (REPO / "tests").rglob("*.py")}
+    assert len(sources) > 50, "the tests were not read"
+    assert benchmark_imports(sources) == []
+    assert benchmark_imports({"t.py": "import os\n\ndef f():\n    from benchmarks.fuzz import campaign\n",
+                              "u.py": "import benchmarks.common as c\nfrom asyncsync import benchmarks_like\n"}) == [
+        "t.py:4 imports benchmarks.fuzz", "u.py:1 imports benchmarks.common"]  # the check sees both forms

@@ -53,6 +53,7 @@ from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version
 from asyncsync.protocol.arena import vllm_staging
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
+from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.control import ServerError
 
@@ -134,7 +135,7 @@ class VllmEngine(EngineClient):
 
     async def check_layout(self, check: LayoutCheck) -> str | None:
         """The worker refuses the check when the checkpoint it loaded has other tensors."""
-        return await self._worker_check(check.to_json())
+        return await self._worker_check(check)
 
     async def check_adapter(self, check: AdapterCheck) -> str | None:
         """The API's load routes (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), then the worker's judgement
@@ -145,17 +146,17 @@ class VllmEngine(EngineClient):
             if e.status != 404 or "cannot be found" not in str(e.detail):
                 return (f"vLLM serves no /v1/unload_lora_adapter ({e}): start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
                         "and --enable-lora")
-        return await self._worker_check(check.to_json())
+        return await self._worker_check(check)
 
     async def serves_base(self, check: BaseCheck) -> bool:
-        return await self._worker_check(check.to_json()) is None
+        return await self._worker_check(check) is None
 
-    async def _worker_check(self, body: dict[str, Any]) -> str | None:
+    async def _worker_check(self, check: LayoutCheck | AdapterCheck | BaseCheck) -> str | None:
         """Inside an update session (vLLM's routes carry nothing else to the worker): the worker's
-        refusal of ``body`` (a check carried as ``update_info``), or None; vLLM ends the session."""
+        refusal of ``check`` (carried as ``update_info``), or None; vLLM ends the session."""
         await self._start(0)  # no version follows: nothing is paused
         try:
-            await self.http.post("/update_weights", {"update_info": body})
+            await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(check)})
         except ServerError as e:
             if e.status is None:
                 raise
@@ -172,11 +173,11 @@ class VllmEngine(EngineClient):
         """In the background mode answered at once; otherwise once the version is loaded. A refused or
         failed update leaves vLLM serving the previous weights and its worker out of the update
         (vLLM ends the session itself when the engine raises in ``update_weights``)."""
-        await self._post_update(dataclasses.replace(request, receive=self.server.receive).to_json())
+        await self._post_update(dataclasses.replace(request, receive=self.server.receive))
 
-    async def _post_update(self, info: dict[str, Any]) -> None:
+    async def _post_update(self, update: UpdateRequest | AdapterUpdate) -> None:
         try:
-            await self._holding(self.http.post("/update_weights", {"update_info": info}))
+            await self._holding(self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(update)}))
         except ServerError as e:
             if e.status is not None:  # the engine raised: vLLM closed the session
                 self._open = False
@@ -184,7 +185,7 @@ class VllmEngine(EngineClient):
 
     async def update_adapter(self, update: AdapterUpdate) -> None:
         request = dataclasses.replace(update.update, receive=self.server.receive)
-        await self._post_update(AdapterUpdate(request, update.adapter).to_json())
+        await self._post_update(AdapterUpdate(request, update.adapter))
 
     async def end_adapter(self, version: int) -> None:
         """The worker writes the verified adapter (no version: vLLM's weights keep theirs)."""
@@ -218,7 +219,7 @@ class VllmEngine(EngineClient):
     async def _discard(self, version: int) -> None:
         """Drop what the worker received of ``version`` without loading it, then end vLLM's session
         with a finish that has nothing to load (no version: the served version's number stays)."""
-        await self.http.post("/update_weights", {"update_info": DiscardRequest(version).to_json()})
+        await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(DiscardRequest(version))})
         await self.http.post("/finish_weight_update")
 
     def calls(self, phase: Phase, buckets: int) -> int:

@@ -6,7 +6,9 @@ backend, a new engine's receiver) imports from here and never loads the trainer'
 prometheus_client, the sync worker)::
 
     specs      TensorSpec, Bucket, BucketPlan, dtype names, typed views into flat buffers
+    schema     the vocabulary messages are declared in, and the one reader that decodes them
     wire       the control messages: GroupSpec, BucketMeta, UpdateRequest, VersionRequest, InitGroupRequest
+    tags       UPDATE_INFO: the messages vLLM's update_info carries, told apart by tag
     sglang     SGLang's weight-update messages and its flattened-bucket layout
     checksum   CRC32C of a bucket, on the host or on the buffer's own device
     group      DataPlaneGroup: join the trainer's process group (gloo or NCCL) and receive broadcasts

@@ -29,14 +29,15 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 from asyncsync.protocol.checksum import crc32c_of
+from asyncsync.protocol.schema import Between, Check, Codec, Each, Items, Key, Message, Path, at
 from asyncsync.protocol.shm import SHM_DIR
-from asyncsync.protocol.specs import TensorSpec, dtype_name
-from asyncsync.protocol.wire import UpdateRequest, WireError, shown, spec_entries
+from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.wire import MAX_CHECKED_TENSORS, Spec, UpdateRequest, WireError, shown
 
 LORA_ROOT = os.path.join(SHM_DIR, "asyncsync-lora")  # the server host's tmpfs
 ADAPTER_REFUSED = "refused for lora: adapter"  # every receiver's refusal of an AdapterCheck or BaseCheck says this
@@ -50,12 +51,22 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # one path component, 
 _VERSIONED = re.compile(r"^(?P<name>.+)-v(?P<version>\d+)$")
 
 
+NAME_RULE = "expected 1-64 letters, digits, '.', '_' or '-' (starting with a letter or digit), got {got}"
+
+
+def valid_name(value: Any) -> bool:
+    """Safe as one path component and in a URL (letters, digits, ``._-``, at most 64, never ``.``/``..``)."""
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
+
 def check_name(value: Any, where: str) -> str:
-    """A name that is safe as one path component and in a URL (letters, digits, ``._-``, at most 64)."""
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise WireError(f"{where}: expected 1-64 letters, digits, '.', '_' or '-' (starting with a letter or digit), "
-                        f"got {shown(value)}")
+    """``value`` when it is a ``valid_name``, else ``WireError`` naming ``where``."""
+    if not valid_name(value):
+        raise WireError(f"{where}: {NAME_RULE.replace('{got}', shown(value))}")
     return value
+
+
+AdapterName = Annotated[str, Check(valid_name, NAME_RULE)]
 
 
 def version_name(name: str, version: int) -> str:
@@ -74,8 +85,9 @@ def adapter_dir(slot: str, name: str, version: int, root: str = LORA_ROOT) -> st
     return os.path.join(root, check_name(slot, "slot"), version_name(check_name(name, "name"), version))
 
 
-def _config(value: Any, where: str) -> dict[str, Any]:
+def _config(value: Any, path: Path, _reading: Any) -> dict[str, Any]:
     """A PEFT LoRA ``adapter_config.json`` object: JSON, bounded, with a positive integer rank ``r``."""
+    where = at(path)
     if not isinstance(value, dict):
         raise WireError(f"{where}: expected a JSON object (adapter_config.json), got {type(value).__name__}")
     try:
@@ -110,85 +122,47 @@ def _pattern(value: Any, where: str, kind: type | tuple[type, ...]) -> None:
             raise WireError(f"{where}[{shown(key)}]: expected a number in (0, {MAX_RANK}], got {shown(number)}")
 
 
-def _specs(entries: Any, where: str) -> tuple[TensorSpec, ...]:
-    if isinstance(entries, list) and not entries:
-        raise WireError(f"{where}: expected a non-empty list of [name, dtype, [sizes...]]")
-    return spec_entries(entries, where)
-
-
-def _specs_json(specs: Iterable[TensorSpec]) -> list[list[Any]]:
-    return [[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs]
+AdapterConfig = Annotated[dict[str, Any], Codec(_config, dict)]
 
 
 @dataclass(frozen=True)
-class AdapterVersion:
+class AdapterVersion(Message):
     """Where a version of adapter ``name`` goes on one server: the directory slot the trainer chose
     for it, the ``adapter_config.json`` to write beside the tensors, and ``keep``: the versions whose
     directories must stay (the engine may still load them, or re-read them from disk after evicting
     them from its cache); the receiver removes the slot's other versions."""
 
-    name: str
-    slot: str
-    config: dict[str, Any] = field(hash=False)
-    keep: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_name(self.name, "adapter.name")
-        check_name(self.slot, "adapter.slot")
-        _config(self.config, "adapter.config")
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in self.keep):
-            raise WireError(f"adapter.keep: expected versions >= 0, got {list(self.keep)}")
+    WHERE = "adapter"
+    name: AdapterName
+    slot: AdapterName
+    config: AdapterConfig = field(hash=False)
+    keep: Annotated[tuple[int, ...], Each(Between(0, None, "expected versions >= 0, got {got}"))] = ()
 
     def path(self, version: int, root: str = LORA_ROOT) -> str:
         return adapter_dir(self.slot, self.name, version, root)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "slot": self.slot, "config": self.config, "keep": list(self.keep)}
-
-    @classmethod
-    def from_json(cls, data: Any) -> AdapterVersion:
-        if not isinstance(data, dict):
-            raise WireError(f"adapter: expected a JSON object, got {type(data).__name__}")
-        keep = data.get("keep", [])
-        if not isinstance(keep, list):
-            raise WireError("adapter.keep: expected a list of versions")
-        return cls(data.get("name"), data.get("slot"), data.get("config"), tuple(keep))  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
-class AdapterUpdate:
+class AdapterUpdate(Message):
     """One version of an adapter: its buckets (``update``, received and verified like any version,
-    against the tensors ``adapter_problems`` accepts) and where it goes (``adapter``)."""
+    against the tensors ``adapter_problems`` accepts) and where it goes (``adapter``). Carried where
+    an ``UpdateRequest`` would be (vLLM's ``update_info``), known by its ``adapter``."""
 
     update: UpdateRequest
     adapter: AdapterVersion
 
-    def to_json(self) -> dict[str, Any]:
-        return {"adapter": self.adapter.to_json(), "update": self.update.to_json()}
-
-    @classmethod
-    def from_json(cls, data: Any) -> AdapterUpdate:
-        if not isinstance(data, dict) or "adapter" not in data or "update" not in data:
-            raise WireError("adapter update: expected {'adapter': {...}, 'update': {...}}")
-        return cls(UpdateRequest.from_json(data["update"]), AdapterVersion.from_json(data["adapter"]))
-
 
 @dataclass(frozen=True)
-class AdapterCheck:
+class AdapterCheck(Message):
     """Asked at ``connect``: would the receiver serve adapter ``name`` (its tensors ``specs`` and
     ``config``) on the base it serves, with ``loaded`` versions of it loaded at once (the staleness
     bound's versions plus the one being loaded)? The answer is None, or why not and what to change."""
 
-    name: str
-    config: dict[str, Any] = field(hash=False)
-    specs: tuple[TensorSpec, ...] = ()
-    loaded: int = 1
-
-    def __post_init__(self) -> None:
-        check_name(self.name, "adapter_check.name")
-        _config(self.config, "adapter_check.config")
-        if not isinstance(self.loaded, int) or isinstance(self.loaded, bool) or self.loaded < 1:
-            raise WireError(f"adapter_check.loaded: expected a positive integer, got {self.loaded!r}")
+    WHERE = ENVELOPE = "adapter_check"
+    name: AdapterName
+    config: AdapterConfig = field(hash=False)
+    specs: Annotated[tuple[Spec, ...], Items(0, MAX_CHECKED_TENSORS)] = ()
+    loaded: Annotated[int, Between(1, None, "expected a positive integer, got {got}")] = 1
 
     @property
     def rank(self) -> int:
@@ -196,37 +170,22 @@ class AdapterCheck:
         pattern = self.config.get("rank_pattern") or {}
         return max([int(self.config["r"]), *(int(v) for v in pattern.values() if isinstance(v, int))])
 
-    def to_json(self) -> dict[str, Any]:
-        return {"adapter_check": {"name": self.name, "config": self.config, "specs": _specs_json(self.specs),
-                                  "loaded": self.loaded}}
-
     @classmethod
-    def from_json(cls, data: Any) -> AdapterCheck:
-        body = data.get("adapter_check") if isinstance(data, dict) else None
-        if not isinstance(body, dict):
-            raise WireError("adapter_check: expected a JSON object")
-        return cls(body.get("name"), body.get("config"), _specs(body.get("specs"), "adapter_check.specs"),  # type: ignore[arg-type]
-                   body.get("loaded", 1))
+    def from_json(cls, data: Any, where: str | None = None) -> AdapterCheck:
+        """An arriving check names at least one tensor (one built here may name none: a trainer asks an
+        engine that takes no adapter at all before it plans one)."""
+        check = super().from_json(data, where)
+        if not check.specs:
+            raise WireError("adapter_check.specs: expected a non-empty list of [name, dtype, [sizes...]]")
+        return check
 
 
 @dataclass(frozen=True)
-class BaseCheck:
+class BaseCheck(Message):
     """Asked at ``connect``: does the receiver serve exactly these base tensors (name, CRC32C of
     its bytes, in the checkpoint layout)? If not, the trainer sends the base once, as a version."""
 
-    crcs: tuple[tuple[str, int], ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"base_check": [[n, c] for n, c in self.crcs]}
-
-    @classmethod
-    def from_json(cls, data: Any) -> BaseCheck:
-        entries = data.get("base_check") if isinstance(data, dict) else None
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
-                and not isinstance(e[1], bool) and 0 <= e[1] < 2**32 for e in entries):
-            raise WireError("base_check: expected a list of [name, crc32c]")
-        return cls(tuple((n, c) for n, c in entries))
+    crcs: Annotated[tuple[tuple[str, Annotated[int, Between(0, 2**32 - 1)]], ...], Key("base_check")]
 
     def mismatch(self, served: Mapping[str, torch.Tensor]) -> str | None:
         """None when ``served`` holds exactly these tensors with these bytes; else the first difference."""

@@ -20,13 +20,12 @@ answers of the scheduler's weight updater (``sglang/srt/managers/scheduler_compo
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
+from asyncsync.protocol.schema import Path, present, read_as
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, WireError, shown
 
 SGLANG_RELEASE = "0.5.23"
@@ -102,45 +101,57 @@ class RequestInvalid(WireError):
 
 _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
-_Missing = object()
 R = TypeVar("R", bound="SglangRequest")
 
 
-def _lax(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
-    """``value`` as pydantic's lax mode reads it for a field of type ``tp``; problems go to ``errors``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+class PydanticLax:
+    """How pydantic's lax mode reads a body for SGLang's request structs (``schema.read`` walks the
+    types): ``"2"`` is the integer 2, ``"yes"`` is true, unknown keys are ignored; every problem is
+    recorded in ``errors`` as pydantic reports it, and reading goes on."""
 
-    def bad(kind: str, msg: str) -> None:
-        errors.append({"type": kind, "loc": loc, "msg": msg, "input": value})
+    def __init__(self, errors: list[dict[str, Any]]):
+        self.errors = errors
 
-    if origin is typing.Union or origin is types.UnionType:
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _lax(inner, value, loc, errors)
-    if origin is Literal:
-        if value not in args:
-            bad("literal_error", "Input should be " + " or ".join(", ".join(repr(a) for a in args).rsplit(", ", 1)))
+    def bad(self, kind: str, msg: str, path: Path, value: Any) -> None:
+        self.errors.append({"type": kind, "loc": path, "msg": msg, "input": value})
+
+    def missing(self, path: Path, key: str, data: Any) -> None:
+        self.bad("missing", "Field required", (*path, key), data)
+
+    def literal(self, options: tuple[Any, ...], value: Any, path: Path, _why: str) -> Any:
+        if value not in options:
+            self.bad("literal_error", "Input should be " + " or ".join(", ".join(repr(a) for a in options).rsplit(", ", 1)),
+                     path, value)
         return value
-    if origin is tuple:
-        if not isinstance(value, list):
-            bad("list_type", "Input should be a valid list")
+
+    def sequence(self, value: Any, path: Path) -> list[Any] | None:
+        if isinstance(value, list):
             return value
-        return tuple(_lax(args[0], v, (*loc, i), errors) for i, v in enumerate(value))
-    if tp is str:
-        if not isinstance(value, str):
-            bad("string_type", "Input should be a valid string")
-        return value
-    if tp is bool:
+        self.bad("list_type", "Input should be a valid list", path, value)
+        return None
+
+    def scalar(self, tp: Any, value: Any, path: Path) -> Any:
+        if tp is str:
+            if not isinstance(value, str):
+                self.bad("string_type", "Input should be a valid string", path, value)
+            return value
+        if tp is bool:
+            return self._bool(value, path)
+        if tp is int:
+            return self._int(value, path)
+        raise TypeError(f"no lax validator for {tp!r}")  # a message type this module does not know
+
+    def _bool(self, value: Any, path: Path) -> Any:
         if isinstance(value, bool):
             return value
         if isinstance(value, (int, float)) and value in (0, 1):
             return bool(value)
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
-        bad("bool_parsing", "Input should be a valid boolean")
+        self.bad("bool_parsing", "Input should be a valid boolean", path, value)
         return value
-    if tp is int:
+
+    def _int(self, value: Any, path: Path) -> Any:
         if isinstance(value, int):
             return int(value)
         if isinstance(value, float) and value.is_integer():
@@ -150,9 +161,8 @@ def _lax(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]
                 return int(value.strip())
             except ValueError:
                 pass
-        bad("int_parsing", "Input should be a valid integer")
+        self.bad("int_parsing", "Input should be a valid integer", path, value)
         return value
-    raise TypeError(f"no lax validator for {tp!r}")  # a message type this module does not know
 
 
 @dataclass(frozen=True)
@@ -170,16 +180,9 @@ class SglangRequest:
         if not isinstance(data, dict):
             raise RequestInvalid([{"type": "dict_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
                                    "input": data}])
-        hints = typing.get_type_hints(cls)
         errors: list[dict[str, Any]] = []
-        values = {}
-        for f in fields(cls):
-            value = data.get(f.name, _Missing)
-            if value is _Missing:
-                if f.default is MISSING:
-                    errors.append({"type": "missing", "loc": ("body", f.name), "msg": "Field required", "input": data})
-                continue
-            values[f.name] = _lax(hints[f.name], value, ("body", f.name), errors)
+        lax = PydanticLax(errors)
+        values = {f.name: read_as(f.plan, value, ("body", f.key), lax) for f, value in present(cls, data, ("body",), lax)}
         if errors:
             raise RequestInvalid(errors)
         return cls(**values)

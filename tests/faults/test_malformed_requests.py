@@ -56,6 +56,8 @@ async def test_generate_reports_version_and_is_deterministic(model):
                                    "backend": "mpi", "timeout_s": 1}, "rank_offset": 1}),
         ("/init_group", {"group": {"host": "127.0.0.1", "port": 5000, "world_size": 2, "group_name": "g",
                                    "backend": "gloo", "timeout_s": 1}, "rank_offset": 2}),
+        ("/init_group", {"group": {"host": "../../etc", "port": 5000, "world_size": 2, "group_name": "g",
+                                   "backend": "gloo", "timeout_s": 1}, "rank_offset": 1}),  # was a 500: no IDNA name
         ("/begin", {}),
         ("/begin", {"version": -3}),
         ("/update", {"version": 1, "buckets": [], "checksum": True}),

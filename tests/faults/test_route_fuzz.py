@@ -1,13 +1,17 @@
 """Thousands of generated bad requests, 200 in flight at a time, across every route of a live
-reference server, then a rogue trainer on its data plane (``benchmarks/fuzz.py`` has the campaign
-and its checks; ``python -m benchmarks.fuzz`` runs a longer one and writes the figures in docs/faults.md).
-``--fuzz-requests N`` runs N requests here instead of the default."""
+reference server, then a rogue trainer on its data plane (``asyncsync/testing/fuzz.py`` has the
+campaign and its checks; ``python -m benchmarks.fuzz`` runs a longer one and writes the figures in
+docs/faults.md). ``--fuzz-requests N`` runs N requests here instead of the default."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.fuzz import GET_ROUTES, POST_ROUTES, ROUTES, campaign, served_routes
+from asyncsync.protocol.schema import Message
+from asyncsync.protocol.shm import HostIdentity
+from asyncsync.testing import mixed_dtype_model
+from asyncsync.testing.fuzz import MODEL, campaign, served_routes
+from asyncsync.testing.probes import GET_ROUTES, POST_ROUTES, ROUTES, TAKES, Context
 
 
 def test_the_fuzz_covers_exactly_the_routes_the_server_serves():
@@ -16,6 +20,13 @@ def test_the_fuzz_covers_exactly_the_routes_the_server_serves():
     served = served_routes()
     assert len(fuzzed) == len(ROUTES), "a route listed twice"
     assert fuzzed == served, {"not fuzzed": sorted(served - fuzzed), "not served": sorted(fuzzed - served)}
+    host = HostIdentity("0b8c4f52-7a1c-4e55-9d1e-2f3b4a5c6d7e", 27).to_json()
+    ctx = Context(mixed_dtype_model(MODEL).state_dict(), MODEL.vocab_size, 1, 2, host, "asyncsync-1-ab-0")
+    assert set(ctx.templates) == set(POST_ROUTES)
+    for path, template in ctx.templates.items():  # each template is a body its route takes
+        takes = TAKES[path]
+        if isinstance(takes, type) and issubclass(takes, Message):
+            assert takes.from_json(template).to_json() == template, path
 
 
 @pytest.mark.slow
@@ -24,7 +35,7 @@ def test_bad_requests_get_4xx_and_leave_the_server_serving_unchanged_and_leaking
     requests = request.config.getoption("--fuzz-requests")
     results = campaign(requests, seed=request.config.getoption("--fuzz-seed"))
     assert results["problems"] == [], results["problems"]
-    # The checks themselves (benchmarks.fuzz._judge) said nothing: what they saw, in case they went blind.
+    # The checks themselves (asyncsync.testing.fuzz._judge) said nothing: what they saw, in case they went blind.
     assert results["requests"] >= requests and results["routes"] == len(served_routes()) == 36
     assert sum(n for status, n in results["status"].items() if status.startswith("4")) > requests // 2
     assert results["server_errors"]["undocumented_5xx"] == 0 and not results["crashed"]

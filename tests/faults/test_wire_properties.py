@@ -1,8 +1,9 @@
 """Every parser of the weight-update protocol, driven by hypothesis: for any JSON value (random, or a
 valid message with one field replaced by something hostile) a parser returns its message or raises
 its one documented error, whose message quotes little of the input; what it accepts is safe to act
-on (deadlines a ``timedelta`` takes, sizes an int64 holds, offsets aligned, names encodable); and
-every valid message survives a round trip through JSON."""
+on (deadlines a ``timedelta`` takes, sizes an int64 holds, offsets aligned, names encodable); every
+limit a message declares refuses the value just past it, naming the field; and every valid message
+survives a round trip through JSON."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ from hypothesis import strategies as st
 
 from asyncsync.protocol import sglang
 from asyncsync.protocol.frames import HEADER_WORDS, MAGIC, FrameHeader, VersionFrames, plan_hash
+from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, AdapterVersion, BaseCheck
+from asyncsync.protocol.schema import Message, Tags, at
 from asyncsync.protocol.shm import ALIGN, HostIdentity
+from asyncsync.protocol.specs import TensorSpec
+from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import (
-    MAX_BYTES, MAX_DEADLINE_S, PROTOCOL_VERSION, BucketMeta, ClaimRequest, DiscardRequest, GroupSpec,
+    MAX_BYTES, MAX_DEADLINE_S, PROTOCOL_VERSION, BucketMeta, ClaimRequest, DeltaVersion, DiscardRequest, GroupSpec,
     InitGroupRequest, LayoutCheck, SharedVersion, UpdateRequest, VersionRequest, WireError,
 )
-from benchmarks.fuzz import HOSTILE as HOSTILE_VALUES
-from benchmarks.fuzz import places, with_replaced
+from asyncsync.testing.mutations import HOSTILE as HOSTILE_VALUES
+from asyncsync.testing.mutations import field_mutations, places, with_replaced
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LONG = "x" * 5000  # a field this long (one of HOSTILE_VALUES) must never come back in an error message
@@ -171,6 +176,46 @@ def test_a_long_or_deep_input_is_never_echoed():
                     parse(with_replaced(valid, path, bad))
                 except WireError as e:
                     assert len(str(e)) < 600 and LONG[:100] not in str(e)
+
+
+# -- declared limits ------------------------------------------------------------------------------
+
+ADAPTER = AdapterVersion("pol", "slot", {"r": 4, "peft_type": "LORA"}, (2,))
+ADAPTER_CHECK = AdapterCheck("pol", ADAPTER.config, (TensorSpec("base_model.model.a.lora_A.weight", torch.float32, (4, 8)),), 3)
+DECLARED: list[tuple[Message, str | None]] = [  # a valid message of each declared type, and where it is read
+    (UPDATE, None), (UpdateRequest(5, (BUCKET,), True, delta=DeltaVersion(4, (10,))), None), (BUCKET, None),
+    (UPDATE.shm, None), (INIT, None), (VersionRequest(3), "begin"), (DiscardRequest(3), None),
+    (ClaimRequest("host:12:ab12", True), None), (LayoutCheck(BUCKET.to_bucket(0).specs), None),
+    (ADAPTER_CHECK, None), (BaseCheck((("w", 7),)), None), (AdapterUpdate(UPDATE, ADAPTER), None),
+]
+
+
+@pytest.mark.parametrize("message, where", DECLARED, ids=lambda m: type(m).__name__ if isinstance(m, Message) else m)
+def test_a_value_past_any_declared_limit_is_refused_naming_its_field(message, where):
+    """Each field of the message (nested messages' too) given a value just past a limit its
+    declaration states, or of the wrong JSON type, is refused with an error that names that field
+    (or, for a limit on every entry of a list, the list)."""
+    valid = message.to_json()
+    mutations = field_mutations(type(message), valid)
+    assert len(mutations) >= 3 * len(valid), "the declaration was not read"
+    for place, bad in mutations:
+        with pytest.raises(WireError) as refused:
+            type(message).from_json(with_replaced(valid, place, bad), where)
+        named = str(refused.value).split(": ", 1)[0]
+        assert named.endswith(at(place)) or (isinstance(place[-1], int) and named.endswith(at(place[:-1]))), (
+            place, bad, str(refused.value))
+
+
+def test_the_update_info_slot_tells_every_message_apart_by_its_tag():
+    carried = [UPDATE, DiscardRequest(3), LayoutCheck(BUCKET.to_bucket(0).specs), AdapterUpdate(UPDATE, ADAPTER),
+               ADAPTER_CHECK, BaseCheck((("w", 7),))]
+    assert {type(m) for m in carried} == {UPDATE_INFO.default, *UPDATE_INFO.tagged.values()}
+    for message in carried:
+        assert UPDATE_INFO.decode(json.loads(json.dumps(UPDATE_INFO.encode(message)))) == message
+    with pytest.raises(TypeError, match="is not carried in this slot"):
+        UPDATE_INFO.encode(ClaimRequest("host:1:ab"))
+    with pytest.raises(TypeError, match="does not hold its tag 'discard' alone"):
+        Tags(UpdateRequest, {"discard": VersionRequest})  # its JSON holds "version", not its tag
 
 
 # -- round trips ---------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ while a new version streams in, and every data-plane call ends by its own deadli
 What a caller must know: one trainer session owns the server at a time (``X-Asyncsync-Session``;
 weight-update calls, ``WEIGHT_ROUTES``, from another session get 423), and no input makes it answer
 500 or exit: a failed request is a 4xx with ``{"error": message}``, a data-plane failure a 503.
-Every route with its body and answer: docs/engines/reference.md "Routes".
+The router is built from ``routes.TABLE`` (what each route takes and answers); every route with its
+body and answer: docs/engines/reference.md "Routes".
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from asyncsync.protocol.wire import (
 from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
 from asyncsync.protocol.admission import VersionRejected
 from asyncsync.receivers.reference.receiver import WeightReceiver
+from asyncsync.receivers.reference.routes import TABLE, Route, served
 from asyncsync.receivers.reference.sglang_api import ReceiverScheduler, SglangApi, model_info, starlette_errors
 from asyncsync.control import new_event_loop
 
@@ -62,12 +64,7 @@ TRAINER_LEASE_S = 120.0
 # stalled on a silent peer never holds the ones behind it for longer, whatever its own deadline.
 WEIGHT_QUEUE_S = 10.0
 # Calls that change what the server receives or serves: only the owning trainer session may make them.
-WEIGHT_ROUTES = frozenset({
-    "/init_group", "/begin", "/update", "/end", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/pause_generation",
-    "/continue_generation", "/update_adapter", "/end_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/load_lora_adapter", "/unload_lora_adapter",
-})
+WEIGHT_ROUTES = frozenset(r.path for r in TABLE if r.owner)
 SWEEP_S = 1.0  # how often a server on shared memory looks for segments of trainers that died
 SWEEPER = web.AppKey("sweeper", asyncio.Task)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -119,19 +116,8 @@ class ReferenceServer:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[starlette_errors, error_statuses, self._auth, self._owned, self._delay],
                               client_max_size=64 * 1024 * 1024)
-        app.add_routes([
-            web.get("/health", self.health), web.get("/version", self.get_version),
-            web.get("/world_size", self.world_size), web.get("/host", self.host), web.get("/weights/digest", self.digest),
-            web.get("/weights/names", self.names), web.post("/check_layout", self.check_layout),
-            web.post("/generate", self.generate), web.post("/score", self.score), web.post("/claim", self.claim), web.post("/release", self.release),
-            web.post("/init_group", self.init_group),
-            web.post("/begin", self.begin), web.post("/update", self.update), web.post("/end", self.end),
-            web.post("/check_adapter", self.check_adapter), web.post("/check_base", self.check_base),
-            web.post("/update_adapter", self.update_adapter), web.post("/end_adapter", self.end_adapter),
-            web.post("/v1/load_lora_adapter", self.load_adapter), web.post("/v1/unload_lora_adapter", self.unload_adapter),
-            web.get("/v1/models", self.list_models),
-            *self.sglang.routes(),
-        ])
+        app.add_routes([web.route(r.method, r.path, _bound(getattr(self, r.handler), r)) for r in served("asyncsync")])
+        app.add_routes(self.sglang.routes())
         app.on_startup.append(self._start_sweeping)
         app.on_cleanup.append(self._close)
         return app
@@ -154,7 +140,7 @@ class ReferenceServer:
 
     def close(self) -> None:
         """Leave every group, remove the adapter directories written here, stop the worker threads
-        (also for a server whose app never ran: ``benchmarks/fuzz.py`` reads its routes)."""
+        (also for a server whose app never ran: ``asyncsync/testing/fuzz.py`` reads its routes)."""
         self.sglang.close()
         self.adapters.close()
         self.receiver.close()
@@ -241,9 +227,9 @@ class ReferenceServer:
     async def names(self, _r: web.Request) -> web.Response:
         return web.json_response({"names": self.receiver.expected_names})
 
-    async def check_layout(self, request: web.Request) -> web.Response:
+    async def check_layout(self, _r: web.Request, check: LayoutCheck) -> web.Response:
         """409 naming the differences unless a trainer's plan sends exactly the tensors served."""
-        self.receiver.stager.admission.check_layout(LayoutCheck.from_json(await _json(request)))
+        self.receiver.stager.admission.check_layout(check)
         return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -291,8 +277,7 @@ class ReferenceServer:
         logprobs, version = await self._run(self._gen, run)
         return web.json_response({"logprobs": logprobs, "weight_version": version})
 
-    async def claim(self, request: web.Request) -> web.Response:
-        req = ClaimRequest.from_json(await _json(request))
+    async def claim(self, _r: web.Request, req: ClaimRequest) -> web.Response:
         await asyncio.to_thread(self.owners.claim, req.session, req.takeover)  # may probe the owner's store
         return web.json_response({"ok": True, "owner": req.session})
 
@@ -302,40 +287,34 @@ class ReferenceServer:
             self.joins.abandon()  # a rendezvous of the released owner's still in progress ends now
         return web.json_response({"released": released})
 
-    async def init_group(self, request: web.Request) -> web.Response:
-        req = InitGroupRequest.from_json(await _json(request))
+    async def init_group(self, request: web.Request, req: InitGroupRequest) -> web.Response:
         self.joins.abandon()  # the trainer wants this group now: a join still hanging on an older one ends
         await self._data_plane(self.receiver.join, req.groups, req.rank_offset, True, req.relay)
         self.owners.joined(_session(request), req.group.host, req.group.port)
         return web.json_response({"ok": True, "rank": req.rank_offset})
 
-    async def begin(self, request: web.Request) -> web.Response:
+    async def begin(self, _r: web.Request, _req: VersionRequest) -> web.Response:
         # Never refused: a stale version is judged in /update, after its broadcasts were consumed,
         # so a refusal here cannot leave the trainer waiting in a collective.
-        VersionRequest.from_json(await _json(request), "begin")
         return web.json_response({"ok": True})
 
-    async def update(self, request: web.Request) -> web.Response:
-        req = UpdateRequest.from_json(await _json(request))
+    async def update(self, _r: web.Request, req: UpdateRequest) -> web.Response:
         await self._data_plane(self.receiver.receive, req)
         return web.json_response({"ok": True, "version": req.version})
 
-    async def check_adapter(self, request: web.Request) -> web.Response:
-        self.adapters.check(AdapterCheck.from_json(await _json(request)))
+    async def check_adapter(self, _r: web.Request, check: AdapterCheck) -> web.Response:
+        self.adapters.check(check)
         return web.json_response({"ok": True})
 
-    async def check_base(self, request: web.Request) -> web.Response:
-        check = BaseCheck.from_json(await _json(request))
+    async def check_base(self, _r: web.Request, check: BaseCheck) -> web.Response:
         await self._run(self._gen, self.adapters.check_base, check)
         return web.json_response({"ok": True})
 
-    async def update_adapter(self, request: web.Request) -> web.Response:
-        update = AdapterUpdate.from_json(await _json(request))
+    async def update_adapter(self, _r: web.Request, update: AdapterUpdate) -> web.Response:
         await self._data_plane(self.adapters.receive, update)
         return web.json_response({"ok": True, "version": update.update.version})
 
-    async def end_adapter(self, request: web.Request) -> web.Response:
-        req = VersionRequest.from_json(await _json(request), "end_adapter")
+    async def end_adapter(self, _r: web.Request, req: VersionRequest) -> web.Response:
         return web.json_response({"path": await self._data_plane(self.adapters.write, req.version)})
 
     async def load_adapter(self, request: web.Request) -> web.Response:
@@ -356,8 +335,7 @@ class ReferenceServer:
     async def list_models(self, _r: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": self.adapters.models()})
 
-    async def end(self, request: web.Request) -> web.Response:
-        req = VersionRequest.from_json(await _json(request), "end")
+    async def end(self, _r: web.Request, req: VersionRequest) -> web.Response:
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
         version = await self._data_plane(self.receiver.commit, req.version)
@@ -383,6 +361,18 @@ async def error_statuses(request: web.Request, handler: Handler) -> web.StreamRe
         return _error(413, f"the body is larger than this server takes ({e.reason}): send a smaller request")
     except AdapterNotFound as e:
         return _error(404, short(str(e)))
+
+
+def _bound(handler: Callable[..., Awaitable[web.StreamResponse]], route: Route) -> Handler:
+    """``handler``; for a route that takes a message, called with it decoded from the body (a 400 if not)."""
+    takes = route.takes
+    if takes is None:
+        return handler
+
+    async def decoded(request: web.Request) -> web.StreamResponse:
+        return await handler(request, takes.from_json(await _json(request), route.where))
+
+    return decoded
 
 
 def _session(request: web.Request) -> str:

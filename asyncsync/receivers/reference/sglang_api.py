@@ -70,6 +70,7 @@ from asyncsync.protocol.admission import BucketRefused
 from asyncsync.protocol.wire import MAX_VERSION, WireError, short, shown
 from asyncsync.protocol.admission import VersionRejected
 from asyncsync.receivers.reference.receiver import WeightReceiver
+from asyncsync.receivers.reference.routes import Route, served
 
 log = logging.getLogger(__name__)
 
@@ -222,27 +223,17 @@ class SglangApi:
         return self.scheduler.session_open
 
     def routes(self) -> list[web.RouteDef]:
-        weight: list[tuple[str, type[SglangRequest], str]] = [
-            ("/init_weights_update_group", InitWeightsUpdateGroup, "init_weights_update_group"),
-            ("/destroy_weights_update_group", DestroyWeightsUpdateGroup, "destroy_weights_update_group"),
-            ("/update_weights_from_distributed", UpdateWeightsFromDistributed, "update_weights_from_distributed"),
-        ]
-        if self.sessions:
-            weight += [("/begin_weight_update", BeginWeightUpdate, "begin_weight_update"),
-                       ("/end_weight_update", EndWeightUpdate, "end_weight_update")]
-        routes = [web.post(path, self._weight_route(struct, name)) for path, struct, name in weight]
-        routes += [
-            web.post("/pause_generation", self._validated(PauseGeneration, self.pause)),
-            web.post("/continue_generation", self._validated(ContinueGeneration, self.resume)),
-            web.get("/model_info", self.get_model_info), web.get("/get_model_info", self.get_model_info),
-            web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
-            web.get("/ready", self.ready),
-            web.post("/load_lora_adapter", self._validated(LoadLoraAdapter, self.load_lora)),
-            web.post("/unload_lora_adapter", self._validated(UnloadLoraAdapter, self.unload_lora)),
-        ]
-        if not self.sessions:  # SGLang 0.5.20 still routes these, only to answer that they are gone
-            routes += [web.get("/get_weight_version", self.deprecated), web.get("/weight_version", self.deprecated)]
-        return routes
+        """SGLang's routes of ``routes.TABLE`` this API serves (0.5.20 without sessions still routes
+        ``/get_weight_version``, only to answer that it is gone): a weight route runs the scheduler's
+        method of its name on the data-plane thread; a route that takes a struct gets it validated."""
+        return [web.route(r.method, r.path, self._route(r)) for r in served("sglang", self.sessions)]
+
+    def _route(self, route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        if route.takes is None:
+            return getattr(self, route.handler)
+        if route.data_plane:
+            return self._weight_route(route.takes, route.handler)
+        return self._validated(route.takes, getattr(self, route.handler))
 
     def _validated(self, struct: type[Q], handler: Callable[[Q], Awaitable[web.Response]]) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def route(request: web.Request) -> web.Response:

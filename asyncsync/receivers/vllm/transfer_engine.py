@@ -63,6 +63,7 @@ from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.admission import VersionRejected
 from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.staging import StagedVersion
+from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
@@ -127,12 +128,9 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         return InitGroupRequest.from_json(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:  # type: ignore[override]
-        """An ``UpdateRequest``, or what else the trainer's client carries in ``update_info``."""
-        for key, message in (("discard", DiscardRequest), ("check", LayoutCheck), ("adapter", AdapterUpdate),
-                             ("adapter_check", AdapterCheck), ("base_check", BaseCheck)):
-            if isinstance(update_dict, dict) and key in update_dict:
-                return message.from_json(update_dict)
-        return UpdateRequest.from_json(update_dict)
+        """An ``UpdateRequest``, or what else the trainer's client carries in ``update_info``
+        (``protocol.tags.UPDATE_INFO``, the table the client encodes with)."""
+        return UPDATE_INFO.decode(update_dict)
 
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         """Join the trainer's groups: every worker as its own rank (``device``), or the engine's stager as

@@ -1,5 +1,7 @@
 """For tests and benchmarks: models that mix what real checkpoints mix in, so the data plane is
-exercised on all of it; reference servers in child processes; a rogue trainer."""
+exercised on all of it; reference servers in child processes; a rogue trainer. The route fuzzer
+(``fuzz``, its requests ``probes``, the values that break them ``mutations``) is here too: a test
+imports what it shares with a benchmark from this package, never from ``benchmarks``."""
 
 from __future__ import annotations
 

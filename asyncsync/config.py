@@ -210,6 +210,9 @@ class WeightSyncConfig(Setting):
                                                 "relay along a chain or tree planned from the bucket count) or the "
                                                 f"servers each one relays to (1-{MAX_RELAY_EDGES}; 1: a chain), got "
                                                 "{got}")] = "direct"
+    digest: Annotated[Literal["auto", "on", "off"], Why(
+        "auto: on with a relay (fanout other than direct); on: every bucket's BLAKE2b-256 goes to each server with "
+        "end and it commits only matching bytes; off: CRC32C only")] = "auto"
     readmit_interval_s: Annotated[float, Positive(says="expected a positive number of seconds, got {got}")] = 5.0
     master_addr: str = "127.0.0.1"
     master_port: Annotated[int, Between(0, 65535, "expected 0 (pick a free port) or a port number, got {got}")] = 0
@@ -254,13 +257,25 @@ class WeightSyncConfig(Setting):
         if self.fanout != "direct" and self.group_per_server:
             raise ConfigError("fanout: a relay sends one version down one tree; group_per_server sends each server its "
                               "own: use one of them")
+        if self.fanout != "direct" and not self.checksum:
+            raise ConfigError("fanout: a relayed version is checked at every server against the trainer's checksums and "
+                              "digests; with checksum: false nothing would be: set checksum: true, or fanout: direct")
         self._check_servers()
+
+    @property
+    def digests(self) -> bool:
+        """Whether every bucket's digest goes to each server with ``end`` (``protocol/digest.py``): ``digest:
+        on``, or ``auto`` with a relay, where the bytes a server receives come through other servers."""
+        return self.digest == "on" or (self.digest == "auto" and self.fanout != "direct")
 
     def _check_servers(self) -> None:
         urls = [s.base_url for s in self.servers]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"servers: the same URL is listed twice: {urls}")
         for i, s in enumerate(self.servers):
+            if self.digests and s.kind == "vllm" and s.receive == "in_rpc":
+                raise ConfigError(f"servers[{i}].receive: in_rpc loads a version inside the transfer, before the trainer's "
+                                  "digests (digest, or a relay) can reach it: use receive: background (the default)")
             if s.kind == "sglang" and (s.lora_receiver is not None) != (self.lora == "adapter"):
                 raise ConfigError(f"servers[{i}].lora_receiver: " + (
                     "lora: adapter needs an asyncsync receiver on the SGLang server's host (asyncsync serve), which "

@@ -37,8 +37,9 @@ class AdapterDefaults:
         once: ``receives_in_background``)."""
         raise ServerError(self.http.base_url, "this server cannot receive adapter versions", status=400)
 
-    async def end_adapter(self, version: int) -> None:
-        """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``)."""
+    async def end_adapter(self, version: int, digests: tuple[str, ...] = ()) -> None:
+        """The receiver writes the verified adapter's PEFT directory (``update.adapter.path``), where
+        its buckets hashed to the trainer's ``digests`` (a version announced with them)."""
         raise ServerError(self.http.base_url, "this server cannot receive adapter versions", status=400)
 
     async def load_adapter(self, name: str, path: str, timeout_s: float) -> None:

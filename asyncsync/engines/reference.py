@@ -8,7 +8,7 @@ from asyncsync.engines.base import EngineClient, Generation, Scored, Unsupported
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import (
-    PROTOCOL_VERSION, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
+    PROTOCOL_VERSION, ClaimRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
 )
 from asyncsync.control import ServerError
 
@@ -73,8 +73,8 @@ class ReferenceEngine(EngineClient):
     async def update(self, request: UpdateRequest) -> None:
         await self.http.post("/update", request.to_json())
 
-    async def end(self, version: int) -> int:
-        out = await self.http.post("/end", VersionRequest(version).to_json())
+    async def end(self, version: int, digests: tuple[str, ...] = ()) -> int:
+        out = await self.http.post("/end", EndRequest(version, digests).to_json())
         self.holds = frozenset(out.get("holds", ()))
         switch = out.get("switch_s")
         self.last_switch_s = float(switch) if isinstance(switch, (int, float)) else None  # older servers: None
@@ -120,7 +120,7 @@ class ReferenceEngine(EngineClient):
     async def update_adapter(self, update: AdapterUpdate) -> None:
         await self.http.post("/update_adapter", update.to_json())
 
-    async def end_adapter(self, version: int) -> None:
-        await self.http.post("/end_adapter", VersionRequest(version).to_json())
+    async def end_adapter(self, version: int, digests: tuple[str, ...] = ()) -> None:
+        await self.http.post("/end_adapter", EndRequest(version, digests).to_json())
 
 

@@ -144,7 +144,8 @@ class SglangEngine(EngineClient):
             raise ServerError(self.url, f"version {request.version} not applied, {len(refused)} of "
                                         f"{len(request.buckets)} bucket(s) refused; first: {refused[0]}", status=400)
 
-    async def end(self, version: int) -> int:
+    async def end(self, version: int, digests: tuple[str, ...] = ()) -> int:
+        """SGLang loads each bucket as it arrives (no digests: it is never relayed, and is sent none)."""
         await self._release()
         return await self.version()
 

@@ -54,7 +54,7 @@ from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, Unsu
 from asyncsync.protocol.arena import vllm_staging
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -187,14 +187,16 @@ class VllmEngine(EngineClient):
         request = dataclasses.replace(update.update, receive=self.server.receive)
         await self._post_update(AdapterUpdate(request, update.adapter))
 
-    async def end_adapter(self, version: int) -> None:
+    async def end_adapter(self, version: int, digests: tuple[str, ...] = ()) -> None:
         """The worker writes the verified adapter (no version: vLLM's weights keep theirs)."""
+        await self._send_digests(version, digests)
         await self.http.post("/finish_weight_update")
         self._open = False
 
 
-    async def end(self, version: int) -> int:
+    async def end(self, version: int, digests: tuple[str, ...] = ()) -> int:
         try:
+            await self._send_digests(version, digests)
             if self.server.pause and self.receives_in_background:
                 await self._pause()  # only around the load: the transfer is done by now
             await self._holding(self.http.post("/finish_weight_update", {"weight_version": str(version)}))
@@ -209,6 +211,11 @@ class VllmEngine(EngineClient):
             await self._resume()
         self.last_switch_s = self._held_s
         return await self.version()
+
+    async def _send_digests(self, version: int, digests: tuple[str, ...]) -> None:
+        """Before finish: the digests the worker checks the version's buckets against (none: nothing sent)."""
+        if digests:
+            await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(EndRequest(version, digests))})
 
     async def abort(self, version: int) -> None:
         if self._open:
@@ -228,7 +235,7 @@ class VllmEngine(EngineClient):
         return {
             "begin": 4 + pause * (1 - background),  # start; discard, finish and start again for a session left open
             "update": 1,
-            "end": 2 + pause * (1 + background) + reset,  # [pause], finish, [reset], [resume], weight_info
+            "end": 3 + pause * (1 + background) + reset,  # [digests], [pause], finish, [reset], [resume], weight_info
             "abort": 3,  # discard, finish, resume
         }.get(phase, 1)
 

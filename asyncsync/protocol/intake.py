@@ -105,7 +105,8 @@ class WireIntake:
             raise VersionRejected(f"version {req.version} rejected before its payload: {problem}; left the "
                                   f"data-plane group (call {self.joined.join_route} again)")
         reject_if(problems, req.version)
-        return StagedVersion.of(req.version, target.buffers, buckets)
+        return StagedVersion.of(req.version, target.buffers, buckets,
+                                digests=tuple(receive.digests) if req.digest else None)
 
     def _refuse_unreceivable(self, req: UpdateRequest, buckets: tuple[Bucket, ...],
                              carrying: Mapping[str, TensorSpec] | None = None) -> None:

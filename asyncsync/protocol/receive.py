@@ -6,8 +6,9 @@ payload (a bucket, or its delta, then the checksum manifest) first its frame hea
 the announcement before the payload's receive is posted (a member that would send more than was
 announced is refused, not aborted on), then the payload itself, while the payload before it is
 checksummed, rebuilt from its delta or copied out of the device ring, and forwarded to the
-servers below this one where it relays (``protocol.relay``). What is left after the last byte is one
-bucket's work; the forwards go on down (the caller waits for them before the buffers are reused).
+servers below this one where it relays (``protocol.relay``). With ``req.digest`` each bucket is
+also hashed as it lands (``protocol.digest``: the rebuilt bucket of a delta), for ``end`` to compare
+with the trainer's digests. What is left after the last byte is one bucket's work; the forwards go on down (the caller waits for them before the buffers are reused).
 Each wait returns only once its data has arrived (the group's waits block the host), so nothing is
 judged before the bytes are really in the buffers.
 """
@@ -21,6 +22,7 @@ import torch
 from asyncsync.protocol.arena import DeviceRing
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
+from asyncsync.protocol.digest import bucket_digest
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
 from asyncsync.protocol.group import DataPlaneGroup, Work
@@ -64,6 +66,7 @@ class FramedReceive:
         if req.checksum:
             self.payloads.append(torch.zeros(len(buffers), dtype=torch.int64, device=device))
         self.crcs: list[Crc] = []
+        self.digests: list[str] = []  # with ``req.digest``: each bucket's, as it landed
         self.forward = forward or Forward((), VersionFrames.of(req), runtime)
 
     def run(self) -> None:
@@ -88,9 +91,12 @@ class FramedReceive:
         assert landing is not None
         landing[0].wait(landing[1])
         self.forward.send(len(payloads) - 1, payloads[-1], req.deadline_s(len(payloads) - 1))
-        if self.ring is not None:  # the last bucket too: the manifest is not one
+        if len(self.crcs) < len(self.buffers):  # the last bucket, where no manifest came after it
             self._landed(len(self.crcs))
+        if self.ring is not None:
             self.runtime.host_wait(self.runtime.record())  # the arena holds every byte before it is read
+            if req.digest:  # hashed once the arena holds them (the copies out of the ring are on a stream)
+                self.digests = [bucket_digest(b) for b in self.buffers]
         if req.checksum:
             manifest = payloads[len(self.buffers)].tolist()
             bad = [i for i, (got, want) in enumerate(zip(self.crcs, manifest)) if got is not None and int(got) != want]
@@ -110,6 +116,8 @@ class FramedReceive:
             if self.ring is not None:
                 self.ring.copy_out(self.payloads[j], self.buffers[j])
         self.crcs.append(crc)
+        if self.req.digest and self.ring is None:
+            self.digests.append(bucket_digest(self.buffers[j]))
 
     def _rebuild(self, index: int, payload: torch.Tensor) -> Crc:
         """Bucket ``index`` rebuilt into its buffer from the committed version and its delta; its

@@ -19,6 +19,7 @@ import torch
 
 from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.device import Runtime
+from asyncsync.protocol.digest import digest_problems
 from asyncsync.protocol.specs import Bucket, unpack
 from asyncsync.protocol.wire import BucketMeta
 
@@ -34,12 +35,20 @@ class StagedVersion:
     buckets: tuple[Bucket, ...]
     views: tuple[tuple[str, torch.Tensor], ...]
     segment: str | None = None  # the trainer's shared-memory segment the buffers map (zero-copy adoption)
+    # What each bucket hashed to, where the version was announced with ``digest`` (None: it was not);
+    # ``unpublished`` compares them with the trainer's before anything is applied.
+    digests: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, version: int, buffers: tuple[torch.Tensor, ...], buckets: tuple[Bucket, ...],
-           segment: str | None = None) -> StagedVersion:
+           segment: str | None = None, digests: tuple[str, ...] | None = None) -> StagedVersion:
         views = tuple(v for buf, bucket in zip(buffers, buckets) for v in unpack(buf, bucket))
-        return cls(version, buffers, buckets, views, segment)
+        return cls(version, buffers, buckets, views, segment, digests)
+
+    def unpublished(self, expected: tuple[str, ...]) -> list[str]:
+        """Why these bytes are not the version the trainer published (``expected``: its digests, from
+        ``end``); empty when they are, or when the version was announced without digests."""
+        return [] if self.digests is None else digest_problems(self.digests, expected, self.version)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor's view, in broadcast order."""

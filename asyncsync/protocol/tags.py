@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.schema import Tags
-from asyncsync.protocol.wire import DiscardRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, EndRequest, LayoutCheck, UpdateRequest
 
 UPDATE_INFO = Tags(UpdateRequest, {
     "discard": DiscardRequest,      # drop a version received in the background
+    "digests": EndRequest,          # before finish: the digests the version's buckets must hash to
     "check": LayoutCheck,           # at connect: does the engine load exactly these tensors?
     "adapter": AdapterUpdate,       # lora: adapter, one adapter version
     "adapter_check": AdapterCheck,  # lora: adapter, at connect: would the engine serve it?

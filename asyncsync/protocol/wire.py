@@ -23,6 +23,7 @@ from asyncsync.protocol.schema import (  # WireError, shown and sane_text are im
     Between, Check, Codec, Each, IfAbsent, Items, Key, Message, OmitDefault, Path, Positive, Text,
     WireError, is_int, read, sane_text, shown,
 )
+from asyncsync.protocol.digest import DIGEST_CHARS, valid_digest
 from asyncsync.protocol.shm import ALIGN, HostIdentity, valid_segment_name
 from asyncsync.protocol.specs import Bucket, TensorSpec, dtype_from_name, dtype_name
 
@@ -208,7 +209,11 @@ class UpdateRequest(Message):
     or refused, by the call that ends the update.
 
     ``delta`` (optional): the buckets arrive as deltas against the version the receiver committed
-    last (``DeltaVersion``); the receiver rebuilds each in its staging and verifies the result."""
+    last (``DeltaVersion``); the receiver rebuilds each in its staging and verifies the result.
+
+    ``digest`` (``protocol/digest.py``): the trainer sends every bucket's cryptographic digest with
+    ``end`` (``EndRequest``), over this server's own control channel; the receiver hashes each bucket
+    as it lands (a delta's rebuilt bucket) and commits nothing whose digests are not the trainer's."""
 
     WHERE = "update"
     version: Version
@@ -221,6 +226,7 @@ class UpdateRequest(Message):
     receive: Annotated[ReceiveMode, OMIT] = "in_rpc"
     shm: Annotated[SharedVersion | None, OMIT] = None  # same-host receivers: the version is in shared memory, not on the data plane
     delta: Annotated[DeltaVersion | None, OMIT] = None  # buckets sent as deltas against the receiver's committed version
+    digest: Annotated[bool, OMIT] = False  # every bucket's digest comes with ``end``: commit only what matches
 
     def rules(self) -> None:
         n = len(self.buckets)
@@ -310,6 +316,18 @@ class VersionRequest(Message):
     ``begin.version``)."""
 
     version: Version
+
+
+@dataclass(frozen=True)
+class EndRequest(Message):
+    """``end``: commit ``version``. With ``digests`` (a version announced with ``digest``), every
+    bucket's digest as the trainer computed it (``protocol/digest.py``), in broadcast order: the
+    receiver commits the version only if the buckets it holds hash to exactly these."""
+
+    WHERE = "end"
+    version: Version
+    digests: Annotated[tuple[str, ...], Items(0, MAX_BUCKETS), OMIT, Each(Check(
+        valid_digest, f"expected digests of {DIGEST_CHARS} lower-case hex characters, got {{got}}"))] = ()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ module writes a server's state (``tests/test_architecture.py`` checks that)::
     book.loaded(url, version)           # its engine loaded adapter version ``version``
     book.refused(url, version, why)     # it answered no: keeps its version (a layout refusal is kept)
     book.unreachable(url, why)          # it gave no answer: evicted (its lease retired), probed later
+    book.distrusted(url, why)           # it forwarded bytes the trainer did not publish: evicted, named
     book.expelled(url, why)             # evict it when the next version starts (``verify``'s divergence)
     book.rejoined(url, epoch)           # an evicted server is in an epoch's groups again
 
@@ -160,6 +161,14 @@ class ServerBook:
         if record.evicted is None:
             self.metrics.event("evicted", url, None, why)
             log.warning("evicted %s: %s", url, why)
+
+    def distrusted(self, url: str, version: int, why: str) -> None:
+        """It relayed bytes of ``version`` that the trainer did not publish (the servers below it refused
+        them against the trainer's digests): evicted like a server that gave no answer (readmitted
+        later with a whole version, and checked as every server is), and named in a ``forged`` event."""
+        self.metrics.event("forged", url, version, why)
+        log.error("%s forwarded bytes of version %d the trainer did not publish: %s", url, version, why)
+        self.unreachable(url, why)
 
     def expelled(self, url: str, why: str) -> None:
         """Evict it between versions, not during one: when the next version starts (``take_expelled``)."""

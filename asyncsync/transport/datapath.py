@@ -1,13 +1,16 @@
 """One version's broadcasts on one trainer rank: every bucket into the data-plane groups, each with
 its deadline, then (rank 0) the checksum manifest.
 
-    broken, crcs = DataPath(group, ranks, plan, source, ...).run()        # every rank
-    broken = finish_data_path(ranks, group, plan, broken, crcs, ...)      # rank 0
+    broken, crcs, digests = DataPath(group, ranks, plan, source, ...).run()       # every rank
+    broken, digests = finish_data_path(ranks, group, plan, broken, crcs, digests, ...)   # rank 0
     result = follow_version(following, plan, checksum, version, source)   # a sharded trainer's other ranks
 
 A sharded trainer's ranks send each bucket's pieces to its owner, which broadcasts it; a single
 process broadcasts every bucket (its delta, where the version's ``DeltaVersion`` says so; the
-checksum is still the whole bucket's). What broke the data plane is kept as text (an exception kept
+checksum is still the whole bucket's). With ``digest`` each bucket's cryptographic digest
+(``protocol/digest.py``: of the whole bucket, a delta's too) is taken on a thread of its own right
+after its broadcast started, while the bytes are on the wire; rank 0 sends them to each server with
+``end``. What broke the data plane is kept as text (an exception kept
 here would hold the group's sockets through its traceback), or as ``PackFailed`` when a bucket could
 not be packed (the trainer's fault: the version is abandoned).
 """
@@ -24,6 +27,7 @@ import torch
 
 from asyncsync.metrics import SyncResult
 from asyncsync.packing.checks import UnpackableTensor
+from asyncsync.protocol.digest import bucket_digest
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError
 from asyncsync.protocol.specs import Bucket, BucketPlan
@@ -37,6 +41,7 @@ from asyncsync.transport.topology import TrainerGroups
 log = logging.getLogger(__name__)
 
 _PACK = "could not pack: "
+HASHERS = 2  # threads hashing buckets (``digest``) while the next ones are packed and sent; hashlib frees the GIL
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class VersionPlan:
     deadlines: tuple[float, ...]  # per bucket, as sent to the servers
     frames: VersionFrames         # what each bucket's frame header carries
     delta: DeltaVersion | None    # which buckets go as deltas (their owners broadcast those)
+    digest: bool = False          # each owner hashes the buckets it sends (``protocol/digest.py``)
 
 
 class DataPath:
@@ -69,16 +75,23 @@ class DataPath:
     def __init__(self, group: TrainerGroups, ranks: TrainerRanks, plan: BucketPlan, source: BucketSource,
                  result: SyncResult | None, deadlines: tuple[float, ...], frames: VersionFrames,
                  posted: dict[str, concurrent.futures.Future[Any]] | None = None,
-                 background: frozenset[str] = frozenset(), delta: DeltaVersion | None = None):
+                 background: frozenset[str] = frozenset(), delta: DeltaVersion | None = None, digest: bool = False):
         self.group, self.ranks, self.plan, self.source, self.result = group, ranks, plan, source, result
         self.deadlines, self.frames, self.posted, self.background, self.delta = deadlines, frames, posted, background, delta
+        self.digest = digest
         self.works: dict[int, Any] = {}
         self.crcs: dict[int, Any] = {}
+        self.digests: dict[int, concurrent.futures.Future[str]] = {}
         self.sent: list[torch.Tensor] = []  # every buffer stays referenced until its broadcast finished
         self.stopped: str | PackFailed | None = None
 
-    def run(self) -> tuple[str | PackFailed | None, dict[int, Any]]:
-        """What broke (None: nothing) and the checksums of the buckets this rank sent."""
+    def run(self) -> tuple[str | PackFailed | None, dict[int, Any], dict[int, str]]:
+        """What broke (None: nothing), the checksums and (``digest``) the digests of the buckets this rank sent."""
+        with concurrent.futures.ThreadPoolExecutor(HASHERS, "asyncsync-digest") as self.hashers:
+            stopped, crcs = self._run()
+        return stopped, crcs, {i: d.result() for i, d in self.digests.items() if stopped is None}
+
+    def _run(self) -> tuple[str | PackFailed | None, dict[int, Any]]:
         sharded = self.ranks.world > 1
         for i, bucket in enumerate(self.plan.buckets):
             mine = self.source.owner(bucket) == self.ranks.rank
@@ -127,6 +140,9 @@ class DataPath:
         crc = self._timed(lambda: self.source.checksum(bucket))
         if crc is not None:
             self.crcs[i] = crc
+        if self.digest:  # of the whole bucket: a delta's receiver hashes the bucket it rebuilt
+            whole = self.source.bucket(bucket) if self.delta is not None and self.delta.nbytes[i] else buf
+            self.digests[i] = self.hashers.submit(bucket_digest, whole)
 
     def _timed(self, fn: Any) -> Any:
         """``fn()``, its time counted as packing (``result.pack_s``)."""
@@ -138,6 +154,8 @@ class DataPath:
                 self.result.pack_s += time.perf_counter() - t0
 
     def _wait(self, i: int) -> None:
+        if i in self.digests:
+            self.digests[i].result()  # its buffer is rewritten next: hashed first
         work = self.works.pop(i)
         if isinstance(self.stopped, str):
             return  # the group broke: it is aborted after this version, and no other wait would succeed
@@ -148,15 +166,17 @@ class DataPath:
 
 
 def finish_data_path(ranks: TrainerRanks, group: TrainerGroups, plan: BucketPlan, broken: str | PackFailed | None,
-                     crcs: dict[int, Any], deadlines: tuple[float, ...], frames: VersionFrames, checksum: bool,
-                     epoch: int) -> str | PackFailed | None:
-    """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest."""
+                     crcs: dict[int, Any], digests: dict[int, str], deadlines: tuple[float, ...], frames: VersionFrames,
+                     checksum: bool, epoch: int) -> tuple[str | PackFailed | None, tuple[str, ...]]:
+    """Rank 0, after every rank's data path: each rank's outcome, then the checksum manifest; what
+    broke (None: nothing) and every bucket's digest in plan order (empty without, or when it broke)."""
     if ranks.world > 1:
-        outcomes = ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {})) or []
-        for rank, (text, theirs) in enumerate(outcomes):
+        outcomes = ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}, digests)) or []
+        for rank, (text, theirs, hashed) in enumerate(outcomes):
             if rank and text is not None and broken is None:
                 broken = PackFailed(RuntimeError(text[len(_PACK):])) if text.startswith(_PACK) else f"trainer rank {rank}: {text}"
             crcs.update(theirs)
+            digests.update(hashed)
     if broken is None and checksum:
         try:
             group.broadcast_checksums([crcs[b.index] for b in plan.buckets], max(deadlines), frames)
@@ -164,7 +184,8 @@ def finish_data_path(ranks: TrainerRanks, group: TrainerGroups, plan: BucketPlan
             broken = str(e)
     if broken is not None and not isinstance(broken, PackFailed):
         log.warning("data plane failed in epoch %d: %s", epoch, broken)
-    return broken
+    whole = broken is None and len(digests) == len(plan.buckets)
+    return broken, tuple(digests[b.index] for b in plan.buckets) if whole else ()
 
 
 def follow_version(following: FollowingRank, plan: BucketPlan, checksum: bool, version: int,
@@ -181,9 +202,9 @@ def follow_version(following: FollowingRank, plan: BucketPlan, checksum: bool, v
                            "every rank publishes the same versions, in the same order")
     failed: PackFailed | None = None
     if announced is not None and following.group is not None:
-        broken, crcs = DataPath(following.group, ranks, plan, source, None, announced.deadlines, announced.frames,
-                                delta=announced.delta).run()
-        ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}))
+        broken, crcs, digests = DataPath(following.group, ranks, plan, source, None, announced.deadlines,
+                                         announced.frames, delta=announced.delta, digest=announced.digest).run()
+        ranks.gather_objects((_outcome_text(broken), _crc_ints(crcs) if checksum else {}, digests))
         failed = broken if isinstance(broken, PackFailed) else None
         if broken is not None and failed is None:
             following.drop_group(broken=True)  # rank 0 forms a new epoch (and tells this rank) before "done"

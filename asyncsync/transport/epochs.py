@@ -264,7 +264,8 @@ class Epochs:
     def park(self, repair: Sequence[EngineClient]) -> None:
         """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
         other members sit it out (``parked``) until the next version starts."""
-        self.parked = tuple(e for e in self.current.members if e not in repair)
+        evicted = self.book.evicted()  # in this very version: they wait out readmit_interval_s as any evicted server
+        self.parked = tuple(e for e in self.current.members if e not in repair and e.url not in evicted)
         self.form(repair)
 
     def readmit(self) -> None:

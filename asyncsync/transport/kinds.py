@@ -5,7 +5,7 @@ supplies what differs, so the send path has no branch on it::
 
     await kind.begin(engine, version)       # prepare (vLLM: pause generation, open an update session)
     await kind.update(engine, request)      # answered once the server received and verified it
-    served = await kind.end(engine, version)     # it applies it; what it serves now
+    served = await kind.end(engine, version, digests)   # it applies it (digests: commit only those bytes)
     kind.confirm(book, engine, version, served, result)   # the book's transition for a server that took it
     kind.after(took, version, book)         # once the trainer ranks were released (adapter loads)
     version = await kind.served(engine)     # the version a server serves, as this kind counts versions
@@ -46,7 +46,9 @@ class VersionKind(ABC):
     async def update(self, engine: Any, request: UpdateRequest) -> None: ...
 
     @abstractmethod
-    async def end(self, engine: Any, version: int) -> int: ...
+    async def end(self, engine: Any, version: int, digests: tuple[str, ...]) -> int:
+        """Apply ``version``; ``digests``: the trainer's of every bucket, where it was announced with
+        them (``protocol/digest.py``): the server commits only bytes that hash to these."""
 
     @abstractmethod
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:
@@ -70,8 +72,8 @@ class Weights(VersionKind):
     async def update(self, engine: UpdateTarget, request: UpdateRequest) -> None:
         await engine.update(request)
 
-    async def end(self, engine: UpdateTarget, version: int) -> int:
-        return await engine.end(version)
+    async def end(self, engine: UpdateTarget, version: int, digests: tuple[str, ...]) -> int:
+        return await engine.end(version, digests)
 
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:
         if served == version:
@@ -100,8 +102,8 @@ class AdapterVersions(VersionKind):
     async def update(self, engine: AdapterReceiver, request: UpdateRequest) -> None:
         await engine.update_adapter(AdapterUpdate(request, self.loads.target(engine.url, request.version)))
 
-    async def end(self, engine: AdapterReceiver, version: int) -> int:
-        await engine.end_adapter(version)
+    async def end(self, engine: AdapterReceiver, version: int, digests: tuple[str, ...]) -> int:
+        await engine.end_adapter(version, digests)
         return version  # written; served once loaded
 
     def confirm(self, book: ServerBook, engine: EngineClient, version: int, served: int, result: SyncResult) -> None:

@@ -1,8 +1,8 @@
 """The HTTP phases of one version on one server, each within its own deadline, run on the control loop.
 
-    phases = Phases(kind, http_s, buckets, ends_early)
+    phases = Phases(kind, http_s, buckets, ends_early, digested)
     future = control.submit(phases.begin_and_update(engine, request))   # before the first broadcast
-    ...the data path...
+    ...the data path...; phases.digested_as(digests)                  # the trainer's digests of what it sent
     answers = collect({url: future}, phases.update_s(engines))          # after the last one
     served = await phases.end(engine, version)
 
@@ -10,12 +10,15 @@ Each phase has its own deadline, ``engine.calls(phase, buckets) x http_s`` (vLLM
 calls with its pause, SGLang's ``update`` one per bucket), enforced inside the control loop; a phase
 that fails or misses it is followed by ``abort`` (resume generation, close an update session), so no
 server is left paused. A server in ``ends_early`` (a relayed one) is sent ``end`` as soon as its
-``update`` answered: it serves the version then, not once the slowest server received it. The
-trainer's waits on the control loop (``collect``) are derived from these deadlines.
+``update`` answered: it serves the version then, not once the slowest server received it. A server in
+``digested`` (its request announced digests) gets the trainer's digests with ``end``: its ``end`` waits
+for the data path to have hashed every bucket. The trainer's waits on the control loop (``collect``)
+are derived from these deadlines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -36,8 +39,10 @@ SLACK_S = 5.0  # added to a wait on the control loop derived from the deadlines 
 class Phases:
     """One version's calls to its servers (the module doc): what each server answered and when."""
 
-    def __init__(self, kind: VersionKind, http_s: float, buckets: int, ends_early: frozenset[str] = frozenset()):
-        self.kind, self.http_s, self.buckets, self.ends_early = kind, http_s, buckets, ends_early
+    def __init__(self, kind: VersionKind, http_s: float, buckets: int, ends_early: frozenset[str] = frozenset(),
+                 digested: frozenset[str] = frozenset()):
+        self.kind, self.http_s, self.buckets, self.ends_early, self.digested = kind, http_s, buckets, ends_early, digested
+        self.digests: concurrent.futures.Future[tuple[str, ...]] = concurrent.futures.Future()
         # When each server's update answered yes, for a relay's slow hops (not background receivers).
         self.received: dict[str, float] = {}
         self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
@@ -71,12 +76,21 @@ class Phases:
             except Exception as error:  # ``end`` aborted it; the version's failure, not the update's
                 self.ended[e.url] = error
 
+    def digested_as(self, digests: tuple[str, ...]) -> None:
+        """The trainer's digests of every bucket it sent (empty: none, or the data path broke)."""
+        if not self.digests.done():
+            self.digests.set_result(digests)
+
     async def end(self, e: UpdateTarget, version: int) -> int:
         try:
-            return await within(e.url, self.kind.end(e, version), self.deadline(e, "end"), "end")
+            return await within(e.url, self._end(e, version), self.deadline(e, "end"), "end")
         except Exception:
             await self.abort(e, version)
             raise
+
+    async def _end(self, e: UpdateTarget, version: int) -> int:
+        digests = await asyncio.wrap_future(self.digests) if e.url in self.digested else ()
+        return await self.kind.end(e, version, digests)
 
     async def abort(self, e: UpdateTarget, version: int) -> None:
         """Undo the server's open policies; its own failure is logged, never raised over the first."""

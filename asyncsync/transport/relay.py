@@ -130,6 +130,16 @@ def to_repair(in_trees: set[str], here: Iterable[str], failed: Iterable[str], sk
     return (set(here) & in_trees & set(failed)) - set(skip)
 
 
+def forgers(trees: tuple[RelayTree, ...], took: Iterable[str], unpublished: Iterable[str]) -> dict[str, str]:
+    """The relaying servers that forwarded bytes the trainer did not publish: each server that took the
+    version itself (its own bytes were the trainer's) while a server right below it refused what it
+    received against the trainer's digests (``unpublished``); each with that server below. A server
+    refusing so below a server that refused too was fed by the same culprit higher up."""
+    took, unpublished = set(took), set(unpublished)
+    return {parent: url for tree in trees for url in tree.order
+            if url in unpublished and (parent := tree.parent(url)) is not None and parent in took}
+
+
 def slow_hops(trees: tuple[RelayTree, ...], received: Mapping[str, float]) -> dict[str, float]:
     """The relayed servers that held the servers below them: each server's hop (when its update answered,
     less when its parent's did) over ``SLOW_HOP`` times the median of the other hops, and longer than

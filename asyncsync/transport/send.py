@@ -32,6 +32,7 @@ from typing import Any
 from asyncsync.control import ServerError
 from asyncsync.engines.base import EngineClient
 from asyncsync.metrics import SyncResult
+from asyncsync.protocol.digest import NOT_PUBLISHED
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
@@ -41,7 +42,7 @@ from asyncsync.transport.datapath import DataPath, PackFailed, VersionPlan, fini
 from asyncsync.transport.epochs import Epoch
 from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.phases import Phases, collect
-from asyncsync.transport.relay import ends_early, to_repair
+from asyncsync.transport.relay import ends_early, forgers, to_repair
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,12 @@ class Announcement:
 
     def for_ranks(self) -> VersionPlan:
         """What a sharded trainer's other ranks need of it to send the buckets they own."""
-        return VersionPlan(self.version, self.deadlines, self.frames, self.delta)
+        return VersionPlan(self.version, self.deadlines, self.frames, self.delta, self.request.digest)
+
+    @property
+    def digested(self) -> frozenset[str]:
+        """The servers sent the trainer's digests with ``end`` (their request announced them)."""
+        return frozenset(u for u, r in self.requests.items() if r.digest)
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ def announce(fleet: Fleet, version: int, plan: BucketPlan, source: BucketSource,
         tuple(b.nbytes for b in plan.buckets)
     owners = tuple(source.owner(b) for b in plan.buckets) if fleet.sources > 1 else ()
     request = UpdateRequest(version, tuple(BucketMeta.of(b) for b in plan.buckets), fleet.config.checksum,
-                            tuple(pace.deadline_s(n) for n in sizes), owners, delta=delta)
+                            tuple(pace.deadline_s(n) for n in sizes), owners, delta=delta, digest=fleet.config.digests)
     shared = shared_request(fleet, epoch, request, plan, source, result)  # same-host servers map it instead
     to = tuple(e for e in epoch.members if e.url not in epoch.shared or shared is not None)
     skipped = [e.url for e in epoch.members if e not in to]
@@ -169,13 +175,16 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
     server that took the version. A version the trainer abandoned half-way (``PackFailed``) raises
     its cause here (``abandon``)."""
     control, to = fleet.control, announcement.to
-    phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early)
+    phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early,
+                    announcement.digested)
     posted = {e.url: control.submit(phases.begin_and_update(e, announcement.requests[e.url])) for e in to}
     try:
-        broken = data_path(fleet, announcement, source, result, posted)
+        broken, digests = data_path(fleet, announcement, source, result, posted)
     except TrainerRankLost:  # every server's update fails with the dropped group
+        phases.digested_as(())
         collect(posted, phases.update_s(to))
         raise
+    phases.digested_as(digests)
     collected_at = time.perf_counter()
     updated = collect(posted, phases.update_s(to))
     if isinstance(broken, PackFailed):
@@ -187,21 +196,25 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
 
 
 def data_path(fleet: Fleet, announcement: Announcement, source: BucketSource, result: SyncResult,
-              posted: dict[str, Any]) -> str | PackFailed | None:
+              posted: dict[str, Any]) -> tuple[str | PackFailed | None, tuple[str, ...]]:
     """Every bucket and the manifest (not for servers on shared memory: they know where the version
-    is); what broke, or None. Another trainer rank gone: ``TrainerRankLost``, the group dropped."""
+    is); what broke (None: nothing) and, with ``digest``, every bucket's digest. Another trainer
+    rank gone: ``TrainerRankLost``, the group dropped."""
     epoch, ranks = fleet.epochs.current, fleet.ranks
     broken: str | PackFailed | None = None
+    digests: tuple[str, ...] = ()
     if epoch.group is not None:
         relayed = epoch.relayed()  # their answers say nothing of the trainer's own broadcasts
         wired = {u: f for u, f in posted.items() if u not in epoch.shared and u not in relayed}
         background = frozenset(e.url for e in announcement.to if e.receives_in_background)
         try:
-            broken, crcs = DataPath(epoch.group, ranks, announcement.plan, source, result, announcement.deadlines,
-                                    announcement.frames, wired if ranks.world == 1 else None, background,
-                                    announcement.delta).run()
-            broken = finish_data_path(ranks, epoch.group, announcement.plan, broken, crcs, announcement.deadlines,
-                                      announcement.frames, fleet.config.checksum, epoch.number)
+            broken, crcs, hashed = DataPath(epoch.group, ranks, announcement.plan, source, result,
+                                            announcement.deadlines, announcement.frames,
+                                            wired if ranks.world == 1 else None, background, announcement.delta,
+                                            announcement.request.digest).run()
+            broken, digests = finish_data_path(ranks, epoch.group, announcement.plan, broken, crcs, hashed,
+                                               announcement.deadlines, announcement.frames, fleet.config.checksum,
+                                               epoch.number)
         except TrainerRankLost:
             fleet.epochs.drop(broken=True)
             raise
@@ -213,7 +226,7 @@ def data_path(fleet: Fleet, announcement: Announcement, source: BucketSource, re
         fleet.epochs.drop(broken=True)
     elif epoch.group is not None:
         fleet.pace.observe(result.wire_bytes, result.wire_s)
-    return broken
+    return broken, digests
 
 
 def abandon(fleet: Fleet, announcement: Announcement, phases: Phases, updated: dict[str, Any],
@@ -259,6 +272,10 @@ def record(fleet: Fleet, announcement: Announcement, delivery: Delivery, result:
             book.unreachable(url, str(err), shm.segment if shm is not None else None)
         else:
             book.refused(url, version, str(err))
+    unpublished = {u for u, r in failures.items() if u not in unreachable and NOT_PUBLISHED in str(r)}
+    for url, below in forgers(fleet.epochs.current.trees, served, unpublished).items():
+        book.distrusted(url, version, f"{below}, below it, received bytes of version {version} that are {NOT_PUBLISHED}")
+        unreachable.append(url)
     for url, ratio in fleet.epochs.relays.demote_slow(fleet.epochs.current.trees, delivery.received).items():
         why = f"its hop of version {version} took {ratio:.1f}x the median of the others"
         fleet.metrics.event("demoted", url, version, why)
@@ -329,4 +346,5 @@ def shared_request(fleet: Fleet, epoch: Epoch, request: UpdateRequest, plan: Buc
     crcs = tuple(int(c) for c in (source.checksum(b) for b in plan.buckets) if c is not None) if request.checksum else ()
     result.pack_s += time.perf_counter() - t0
     assert pool.host is not None, "a pool exists only where there is shared memory"
-    return dataclasses.replace(request, shm=SharedVersion(segment.name, pool.offsets, crcs, pool.host))
+    # The trainer's own memory, mapped by the server: nothing forwarded it, nothing to hash.
+    return dataclasses.replace(request, shm=SharedVersion(segment.name, pool.offsets, crcs, pool.host), digest=False)

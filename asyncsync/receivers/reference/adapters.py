@@ -39,7 +39,7 @@ from asyncsync.protocol.lora import (
     ADAPTER_REFUSED, CONFIG_FILE, WEIGHTS_FILE, AdapterCheck, AdapterUpdate, BaseCheck, adapter_problems, check_name,
 )
 from asyncsync.protocol.specs import TensorSpec
-from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.admission import VersionRejected, reject_if
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import WireError, sane_text, shown
 from asyncsync.receivers.adapters import AdapterFiles
@@ -92,12 +92,17 @@ class ServedAdapters:
             raise VersionRejected(f"adapter version {update.update.version} rejected: " + "; ".join(problems[:3]))
         self._staged = (update, staged)
 
-    def write(self, version: int) -> str:
-        """Write the verified version as a PEFT directory (and drop the slot's versions not kept)."""
+    def write(self, version: int, digests: tuple[str, ...] = ()) -> str:
+        """Write the verified version as a PEFT directory (and drop the slot's versions not kept); a
+        version announced with digests only when its buckets hashed to the trainer's ``digests``."""
         staged = self._staged
         if staged is None or staged[1].version != version:
             raise VersionRejected(f"adapter version {version} is not staged; send /update_adapter for it first")
         update, received = staged
+        unpublished = received.unpublished(digests)
+        if unpublished:
+            self._staged = None
+            reject_if(unpublished, version)
         path = self.files.write(update.adapter, version, received.tensors())
         self.files.retain(update.adapter, version)
         self._written[update.adapter.slot] = version

@@ -39,8 +39,8 @@ from asyncsync.protocol.shm import HostIdentity, sweep_stale
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, check_name, parse_version_name
 from asyncsync.protocol.wire import (
-    MAX_SESSION_CHARS, OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, InitGroupRequest, LayoutCheck,
-    UpdateRequest, VersionRequest, WireError, sane_text, short, shown,
+    MAX_SESSION_CHARS, OWNED_STATUS, PROTOCOL_VERSION, SESSION_HEADER, ClaimRequest, EndRequest, InitGroupRequest,
+    LayoutCheck, UpdateRequest, VersionRequest, WireError, sane_text, short, shown,
 )
 from asyncsync.receivers.reference.adapters import AdapterNotFound, ServedAdapters
 from asyncsync.protocol.admission import VersionRejected
@@ -314,8 +314,8 @@ class ReferenceServer:
         await self._data_plane(self.adapters.receive, update)
         return web.json_response({"ok": True, "version": update.update.version})
 
-    async def end_adapter(self, _r: web.Request, req: VersionRequest) -> web.Response:
-        return web.json_response({"path": await self._data_plane(self.adapters.write, req.version)})
+    async def end_adapter(self, _r: web.Request, req: EndRequest) -> web.Response:
+        return web.json_response({"path": await self._data_plane(self.adapters.write, req.version, req.digests)})
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -335,10 +335,10 @@ class ReferenceServer:
     async def list_models(self, _r: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": self.adapters.models()})
 
-    async def end(self, _r: web.Request, req: VersionRequest) -> web.Response:
+    async def end(self, _r: web.Request, req: EndRequest) -> web.Response:
         if self.faults.apply_delay_s:
             await asyncio.sleep(random.uniform(0, self.faults.apply_delay_s))
-        version = await self._data_plane(self.receiver.commit, req.version)
+        version = await self._data_plane(self.receiver.commit, req.version, req.digests)
         return web.json_response({"version": version, "switch_s": self.receiver.last_switch_s,
                                   "holds": list(self.receiver.holds)})
 

@@ -15,7 +15,7 @@ from asyncsync.protocol.arena import STAGINGS, Arena, HostArena, Staging
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.group import Abandoner, DataPlaneGroup
 from asyncsync.protocol.specs import LAYOUTS, BucketPlan, TensorSpec, unpack
-from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.admission import VersionRejected, reject_if
 from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, UpdateRequest
@@ -151,13 +151,18 @@ class WeightReceiver:
         """The buckets received since the last version form ``version``: check it is whole, stage it."""
         self._staged = self.stager.assembly.seal(version, self.version)
 
-    def commit(self, version: int) -> int:
+    def commit(self, version: int, digests: tuple[str, ...] = ()) -> int:
         """Point every live tensor at its bytes in the received buffers, under ``serve_lock`` so
-        generation never sees a torn state."""
+        generation never sees a torn state. A version announced with digests is committed only when
+        every bucket hashed to the trainer's ``digests`` (else it is dropped, refused whole)."""
         staged = self._staged
         if staged is None or staged.version != version:
             have = staged.version if staged else None
             raise VersionRejected(f"version {version} is not staged (staged: {have}); send /update for it first")
+        unpublished = staged.unpublished(digests)
+        if unpublished:
+            self._staged = None
+            reject_if(unpublished, version)
         views = dict(staged.tensors())
         made: dict[str, torch.Tensor] = {}
         with torch.no_grad():  # converted groups are built while generation goes on (copies: no aliasing)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from asyncsync.protocol import sglang
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
-from asyncsync.protocol.wire import ClaimRequest, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
+from asyncsync.protocol.wire import ClaimRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,13 @@ TABLE: tuple[Route, ...] = (
     Route("POST", "/begin", "begin", '{"ok": true}', VersionRequest, "begin", owner=True),
     Route("POST", "/update", "update", '{"ok": true, "version"} once received and verified', UpdateRequest,
           owner=True, data_plane=True),
-    Route("POST", "/end", "end", '{"version", "switch_s", "holds"}', VersionRequest, "end", owner=True,
+    Route("POST", "/end", "end", '{"version", "switch_s", "holds"}', EndRequest, "end", owner=True,
           data_plane=True),
     Route("POST", "/check_adapter", "check_adapter", '{"ok": true}, 409 why not', AdapterCheck),
     Route("POST", "/check_base", "check_base", '{"ok": true}, 409 the first difference', BaseCheck),
     Route("POST", "/update_adapter", "update_adapter", '{"ok": true, "version"}', AdapterUpdate, owner=True,
           data_plane=True),
-    Route("POST", "/end_adapter", "end_adapter", '{"path"}: where the version was written', VersionRequest,
+    Route("POST", "/end_adapter", "end_adapter", '{"path"}: where the version was written', EndRequest,
           "end_adapter", owner=True, data_plane=True),
     Route("POST", "/v1/load_lora_adapter", "load_adapter", "vLLM's: a text", owner=True),
     Route("POST", "/v1/unload_lora_adapter", "unload_adapter", "vLLM's: a text", owner=True),

@@ -60,11 +60,11 @@ from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
-from asyncsync.protocol.admission import VersionRejected
+from asyncsync.protocol.admission import VersionRejected, reject_if
 from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.wire import DiscardRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
 from asyncsync.receivers.vllm.node import NodeStaging
@@ -111,6 +111,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # A version started in the background, on every worker (also those that do not receive it): what
         # finish_weight_update completes.
         self.pending: UpdateRequest | AdapterUpdate | None = None
+        self.digests: tuple[str, ...] = ()  # the pending version's, as the trainer sent them before finish
         self.fixes = PostLoadFixes.of(model)  # what vLLM's reload leaves stale, repaired after each load
         self.background = BackgroundReceive(self.stager, self._verify)
         pc = self.parallel_config
@@ -119,6 +120,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self._handlers: dict[type, Callable[[Any], None]] = {
             LayoutCheck: self._check_layout, AdapterCheck: self.adapters.check, BaseCheck: self._check_base,
             AdapterUpdate: self._receive_adapter, DiscardRequest: self._discard, UpdateRequest: self._receive,
+            EndRequest: self._expect_digests,
         }
         where = f"{nbytes / 1e6:.1f} MB staging arena on {'host shared memory' if self.staging == 'host' else device}"
         log.info("asyncsync: staging %s: %s", self.staging, where if self.arena is not None else
@@ -163,9 +165,14 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def _check_base(self, check: BaseCheck) -> None:
         self.adapters.check_base(check, self.version, self.checkpoint)
 
+    def _expect_digests(self, request: EndRequest) -> None:
+        """The trainer's digests of the pending version (``protocol/digest.py``), sent before finish:
+        the version is loaded only if its buckets hashed to exactly these."""
+        self.digests = request.digests
+
     def _discard(self, request: DiscardRequest) -> None:
         self.background.cancel()
-        self.pending, self.adapters.pending = None, None
+        self.pending, self.adapters.pending, self.digests = None, None, ()
         log.info("discarded version %d", request.version)
 
     def _refuse_while_pending(self, what: str) -> None:
@@ -176,6 +183,9 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def _receive(self, request: UpdateRequest) -> None:
         self._refuse_while_pending(f"version {request.version}")
+        if request.digest and request.receive != "background":
+            raise VersionRejected(f"version {request.version} rejected: it is checked against the trainer's digests, "
+                                  "which come after the transfer: receive it in the background (receive: background)")
         if request.receive == "background":
             self._led(lambda: self.background.start(request, self.version))  # raises VersionRejected if one is in flight
             self.pending = request
@@ -246,11 +256,18 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
-                self._led(lambda: self.adapters.write(pending, self.background.take(FINISH_WAIT_S)))
+                self._led(lambda: self.adapters.write(pending, self._published(self.background.take(FINISH_WAIT_S))))
             else:
-                self._load(self._staged(pending, lambda: self.background.take(FINISH_WAIT_S)))
+                self._load(self._staged(pending, lambda: self._published(self.background.take(FINISH_WAIT_S))))
         finally:
+            self.digests = ()
             self.background.released()  # the arena may be received into once the load has read it
+
+    def _published(self, staged: StagedVersion) -> StagedVersion:
+        """``staged``, if it is what the trainer published (its digests, where it was announced with
+        them); else ``VersionRejected``, before anything is loaded."""
+        reject_if(staged.unpublished(self.digests), staged.version)
+        return staged
 
     def drain_pending(self) -> None:
         """vLLM's hook for callers that run the update's tail themselves: load what is pending."""

@@ -211,7 +211,7 @@ class WeightSyncConfig(Setting):
                                                 f"servers each one relays to (1-{MAX_RELAY_EDGES}; 1: a chain), got "
                                                 "{got}")] = "direct"
     digest: Annotated[Literal["auto", "on", "off"], Why(
-        "auto: on with a relay (fanout other than direct); on: every bucket's BLAKE2b-256 goes to each server with "
+        "auto: on with a relay (fanout other than direct); on: every bucket's BLAKE3 digest goes to each server with "
         "end and it commits only matching bytes; off: CRC32C only")] = "auto"
     readmit_interval_s: Annotated[float, Positive(says="expected a positive number of seconds, got {got}")] = 5.0
     master_addr: str = "127.0.0.1"

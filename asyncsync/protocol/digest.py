@@ -5,8 +5,10 @@ make its CRC32C whatever the manifest says (four chosen bytes do it). With a rel
 bytes a server receives, and the CRC32C manifest they are checked against, come through the servers
 above it, so a relaying server that is compromised, or buggy in a self-consistent way, could make
 every server below it commit bytes the trainer never published. The digests do not travel that way:
-the trainer hashes every bucket it sends (BLAKE2b-256, ``hashlib``: no second preimage is known) and
-sends each server the list over that server's own token-checked control channel, with ``end``.
+the trainer hashes every bucket it sends (BLAKE3, 256 bits: no second preimage is known) and sends
+each server the list over that server's own token-checked control channel, with ``end``. BLAKE3,
+from the ``blake3`` package (SIMD; it frees the GIL), hashes at about 3x SHA-256 and 7x BLAKE2b per
+core here, so a receiver keeps up with an 8-25 gbit/s link on one core (``benchmarks/digest.py``).
 A receiver hashes every bucket as it lands (the rebuilt bucket of a delta: the bytes it would
 serve), and commits a version only when every digest is the trainer's::
 
@@ -17,27 +19,27 @@ serve), and commits a version only when every digest is the trainer's::
 A server above can then deny a version (send garbage: refused whole) but not make one commit bytes
 the trainer did not publish. Which server sent other bytes is for the trainer to tell from the
 tree: the refusal says ``NOT_PUBLISHED`` and the server above it took the version (``transport/relay.py``).
-Only the standard library and torch are used (receivers load this package).
+Only torch, ``blake3`` and the standard library are used (receivers load this package).
 """
 
 from __future__ import annotations
 
-import hashlib
-
+import blake3
 import torch
 
-ALGORITHM = "blake2b-256"
+ALGORITHM = "blake3-256"
 DIGEST_CHARS = 64  # hex characters of one digest
 NOT_PUBLISHED = "not the bytes the trainer published"  # a digest refusal's words (the trainer blames the server above)
 
 
 def bucket_digest(buffer: torch.Tensor) -> str:
-    """The BLAKE2b-256 of a flat bucket's bytes, as hex (a device buffer is read back to the host).
-    ``hashlib`` releases the GIL while it hashes, so several buckets hash in parallel threads."""
+    """The BLAKE3 (256 bits) of a flat bucket's bytes, as hex (a device buffer is read back to the
+    host). The GIL is released while it hashes, so several buckets hash in parallel threads; one call
+    uses one core (a receiver's hashing must not take the cores generation runs on)."""
     host = buffer.detach().reshape(-1).view(torch.uint8)
     if host.device.type != "cpu":
         host = host.cpu()
-    return hashlib.blake2b(memoryview(host.contiguous().numpy()), digest_size=32).hexdigest()
+    return blake3.blake3(memoryview(host.contiguous().numpy())).hexdigest()
 
 
 def valid_digest(value: object) -> bool:

@@ -41,7 +41,7 @@ from asyncsync.transport.topology import TrainerGroups
 log = logging.getLogger(__name__)
 
 _PACK = "could not pack: "
-HASHERS = 2  # threads hashing buckets (``digest``) while the next ones are packed and sent; hashlib frees the GIL
+HASHERS = 2  # threads hashing buckets (``digest``) while the next ones are packed and sent; blake3 frees the GIL
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ MODEL = dict(family="qwen2", vocab_size=8192, hidden_size=512, intermediate_size
              num_kv_heads=8, max_position_embeddings=512, dtype="float32", seed=0)
 
 
-def served_tokens(url: str) -> list[int]:
+def served_tokens(url: str, served: Path) -> list[int]:
     from asyncsync.launch.http import http_call
 
-    status, body = http_call(url, "POST", "/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 16,
+    status, body = http_call(url, "POST", "/v1/completions", {"model": str(served), "prompt": PROMPT, "max_tokens": 16,
                                                               "temperature": 0.0, "return_token_ids": True})
     assert status == 200, body
     return list(body["choices"][0]["token_ids"])
@@ -97,10 +97,10 @@ def run(rounds: int) -> dict[str, Any]:
                 result = engine.send_weights()
                 out["asyncsync"].append({"seconds": time.perf_counter() - start,
                                          "held_s": result.switch_s.get(server.url, float("nan")),
-                                         "served_equals_trainer": served_tokens(server.url) == generate(model, PROMPT, 16)[0]})
+                                         "served_equals_trainer": served_tokens(server.url, served_dir) == generate(model, PROMPT, 16)[0]})
                 step(model, 2 * k + 1)
                 row = disk_round(server.url, model, save_dir)
-                row["served_equals_trainer"] = served_tokens(server.url) == generate(model, PROMPT, 16)[0]
+                row["served_equals_trainer"] = served_tokens(server.url, served_dir) == generate(model, PROMPT, 16)[0]
                 out["disk_reload"].append(row)
                 print(f"round {k}: asyncsync {out['asyncsync'][-1]['seconds']:.2f}s, disk reload {row['seconds']:.2f}s")
             engine.shutdown()

@@ -26,6 +26,7 @@ FAST = {"deadlines": {"rendezvous_s": 10, "collective_s": 10, "http_s": 10, "bro
 # the data-plane broadcast, as to rollout workers on other hosts: on this host they would map each version
 # from shared memory, where nothing crosses a wire to corrupt
 WIRE = {"transport": "collective"}
+FLIPPABLE = {**WIRE, "delta": "off"}  # whole buckets, packed where tests/staging_faults.FlipNextBucket flips one
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_every_sync_reaches_every_rollout_worker_byte_for_byte_under_verls_manag
 
 
 def test_a_corrupted_bucket_yields_nothing_and_the_old_weights_stay(job_factory):
-    job = job_factory(**WIRE)
+    job = job_factory(**FLIPPABLE)
     job.actor.step(seed=1)
     job.manager.update_weights(global_steps=1)
     before = job.received()
@@ -206,7 +207,7 @@ def test_a_backend_that_does_not_drain_the_generator_on_every_rank_fails(job_fac
 
 @pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
 def test_asyncsyncs_manager_forms_the_group_once_loads_every_version_and_survives_a_refusal(job_factory, async_mode):
-    job = job_factory(manager="asyncsync", async_weight_update=async_mode, **WIRE)
+    job = job_factory(manager="asyncsync", async_weight_update=async_mode, **FLIPPABLE)
     for k in range(3):
         job.actor.step(seed=10 + k)
         metrics = job.manager.update_weights(global_steps=k)

@@ -22,6 +22,7 @@ import pytest
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(600)]
 
 TESTS = Path(__file__).resolve().parent
+UNVERIFIED = pytest.mark.skip(reason="written, not yet seen passing on this machine (issue 40 follow-up: see docs/verl.md)")
 FAST = {"deadlines": {"rendezvous_s": 10, "collective_s": 10, "http_s": 10, "broadcast_floor_s": 1}}
 # the data-plane broadcast, as to rollout workers on other hosts: on this host they would map each version
 # from shared memory, where nothing crosses a wire to corrupt
@@ -141,6 +142,7 @@ def test_every_sync_reaches_every_rollout_worker_byte_for_byte_under_verls_manag
     assert all(w["labels"] == labels for w in job.received())
 
 
+@UNVERIFIED
 def test_a_corrupted_bucket_yields_nothing_and_the_old_weights_stay(job_factory):
     job = job_factory(**FLIPPABLE)
     job.actor.step(seed=1)
@@ -158,6 +160,7 @@ def test_a_corrupted_bucket_yields_nothing_and_the_old_weights_stay(job_factory)
     assert all(w["digest"] == job.trained() for w in job.received()), "the next sync applies"
 
 
+@UNVERIFIED
 def test_a_rollout_killed_mid_sync_raises_without_hanging_and_the_next_sync_succeeds_after_remove_replicas(job_factory):
     import ray
 
@@ -195,6 +198,7 @@ def test_a_rollout_killed_mid_sync_raises_without_hanging_and_the_next_sync_succ
     assert time.monotonic() - start < 180
 
 
+@UNVERIFIED
 def test_a_backend_that_does_not_drain_the_generator_on_every_rank_fails(job_factory):
     job = job_factory()
     job.actor.configure(drain=False)  # rank 1 skips the generator: rank 0's all-gathers have no peer
@@ -205,6 +209,7 @@ def test_a_backend_that_does_not_drain_the_generator_on_every_rank_fails(job_fac
     assert time.monotonic() - start < 150
 
 
+@UNVERIFIED
 @pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
 def test_asyncsyncs_manager_forms_the_group_once_loads_every_version_and_survives_a_refusal(job_factory, async_mode):
     job = job_factory(manager="asyncsync", async_weight_update=async_mode, **FLIPPABLE)

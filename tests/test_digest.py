@@ -73,7 +73,7 @@ def test_a_forging_relay_is_refused_below_named_evicted_and_the_versions_go_on(a
     servers = [ReferenceServer(mixed_dtype_model(TINY)) for _ in range(3)]
     forging(servers[1])  # the chain trainer -> s0 -> s1 -> s2: s1 forges what it forwards to s2
     with ThreadedServer(servers[0]) as s0, ThreadedServer(servers[1]) as s1, ThreadedServer(servers[2]) as s2:
-        cfg = WeightSyncConfig.from_dict({"servers": [s0.url, s1.url, s2.url], "fanout": 1, "delta": "off",
+        cfg = WeightSyncConfig.from_dict({"servers": [s0.url, s1.url, s2.url], "fanout": 1,
                                           "transport": "collective", "readmit_interval_s": 3600, "max_staleness": 0,
                                           "async_weight_update": async_weight_update})
         assert cfg.digests, "digest: auto is on with a relay"
@@ -81,9 +81,8 @@ def test_a_forging_relay_is_refused_below_named_evicted_and_the_versions_go_on(a
             sync.connect(model)
             for version in (1, 2, 3):
                 sync.wait_snapshot()
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(0.01 * version)
+                with torch.no_grad():  # a sparse step: versions 2 and 3 go as deltas, rebuilt and hashed below
+                    next(model.parameters()).view(-1)[:4] += 0.01 * version
                 sync.publish(model, version)
                 assert sync.wait_for_fresh_servers(version, timeout=60), sync.events
                 assert digest(servers[0].model) == digest(model), f"s0 serves version {version}"
@@ -96,6 +95,8 @@ def test_a_forging_relay_is_refused_below_named_evicted_and_the_versions_go_on(a
         refused = [e for e in sync.events if e.kind == "refused" and e.server == s2.url]
         assert len(refused) == 1 and NOT_PUBLISHED in refused[0].detail, "s2 refused the forgery of version 1, once"
         assert list(servers[2].receiver.applied) == [1, 2, 3], "s2 committed every version, whole, and no forgery"
+        deltas = {r.version: r.delta_buckets for r in sync.metrics.history}
+        assert deltas[1] == 0 and deltas[3] > 0, "version 3 went down the chain as deltas, each rebuilt bucket hashed"
         assert sync.server_versions[s0.url] == sync.server_versions[s2.url] == 3
 
 

@@ -45,6 +45,10 @@ from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
 log = logging.getLogger(__name__)
 
+RETRIES = 2  # a formation that failed only by a port taken meanwhile, or by relay edges, is tried again this often
+PROBE_S = 5.0  # a readmission probe's deadline: a health check answers in milliseconds; a host that has not
+# answered by then is not back (a black-holed one would otherwise hold the version's start for http_s)
+
 
 @dataclass(frozen=True)
 class Epoch:
@@ -84,7 +88,6 @@ class Epochs:
         self.relays = Relays()  # the servers' order in every relay tree, across epochs
         self.conflicts: dict[str, str] = {}  # of the last form: servers another trainer session owns
         self.parked: tuple[EngineClient, ...] = ()  # members sitting out a repair's epoch (``park``)
-        self._next_probe = 0.0
 
     def serve(self, kind: VersionKind) -> None:
         """From now on a server's version is ``kind``'s (``lora: adapter``: its newest adapter version)."""
@@ -251,10 +254,8 @@ class Epochs:
     def start_version(self) -> None:
         """Before a version: evict the members ``expelled`` (readmitted, as any evicted server, once
         ``readmit_interval_s`` passed and it answers), take the ``parked`` ones back, re-plan a relay
-        that must be; then probe the evicted servers (``readmit``)."""
+        that must be; then probe the evicted servers that are due (``readmit``)."""
         out = self.book.take_expelled()
-        if out:
-            self._next_probe = time.monotonic() + self.config.readmit_interval_s
         if out or self.parked or self.relays.replan:
             self.relays.replan = False
             back, self.parked = set(self.parked), ()
@@ -263,20 +264,27 @@ class Epochs:
 
     def park(self, repair: Sequence[EngineClient]) -> None:
         """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
-        other members sit it out (``parked``) until the next version starts."""
-        self.parked = tuple(e for e in self.current.members if e not in repair)
+        other members sit it out (``parked``) until the next version starts. A member evicted in this
+        version is not parked: it comes back only through ``readmit``, not before
+        ``readmit_interval_s``."""
+        evicted = self.book.evicted()
+        self.parked = tuple(e for e in self.current.members if e not in repair and e.url not in evicted)
         self.form(repair)
 
     def readmit(self) -> None:
-        """Probe evicted servers (rate-limited); a new epoch with those that answer."""
-        now = time.monotonic()
-        evicted = self.book.evicted()
-        if not evicted or now < self._next_probe:
+        """Probe each evicted server whose eviction (or last failed probe) is ``readmit_interval_s``
+        old, each within ``PROBE_S`` (a black-holed host holds the version's start that long, not
+        ``http_s``); a new epoch with those that answer. One that does not stays evicted, from now."""
+        now, interval = time.monotonic(), self.config.readmit_interval_s
+        due = {u for u, since in self.book.evicted_since().items() if now - since >= interval}
+        out = [e for e in self.engines if e.url in due]
+        if not out:
             return
-        self._next_probe = now + self.config.readmit_interval_s
-        out = [e for e in self.engines if e.url in evicted]
-        probes = self.call_all(out, lambda e: e.health(), "health")
+        probes = self.control.call_all(out, lambda e: e.health(), "health", min(PROBE_S, self.config.deadlines.http_s))
         back = [e for e in out if not isinstance(probes[e.url], BaseException)]
+        for e in out:
+            if e not in back:
+                self.book.probed(e.url)
         if back:
             self.form([e for e in self.engines if e in self.current.members or e in back])
 

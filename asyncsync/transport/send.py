@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +34,14 @@ from asyncsync.engines.base import EngineClient
 from asyncsync.metrics import SyncResult
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
+from asyncsync.protocol.wire import MAX_DEADLINE_S, BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
 from asyncsync.ranks import TrainerRankLost
 from asyncsync.transport.commands import Done, Version
 from asyncsync.transport.datapath import DataPath, PackFailed, VersionPlan, finish_data_path
 from asyncsync.transport.epochs import Epoch
 from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.phases import Phases, collect
-from asyncsync.transport.relay import ends_early, to_repair
+from asyncsync.transport.relay import RelayTree, ends_early, failed_edges, reach_s, to_repair
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Announcement:
     """What one version is, before any of it moves: ``requests`` per server it goes to (``to``, in
-    the epoch's order; a same-host server's names where the version lies), the bucket ``sizes`` on
-    the wire and their ``deadlines`` (a bucket sent as a delta is its delta's size), the ``frames``
-    every payload's header carries, and the servers that end as soon as they received it."""
+    the epoch's order; a same-host server's names where the version lies; a relayed server's first
+    deadline grows with its depth, by ``reach`` seconds: ``relayed_requests``), the relay ``trees``
+    it goes down, the bucket ``sizes`` on the wire and their ``deadlines`` (a bucket sent as a delta
+    is its delta's size), the ``frames`` every payload's header carries, and the servers that end
+    as soon as they received it."""
 
     version: int
     plan: BucketPlan
@@ -63,6 +65,8 @@ class Announcement:
     sizes: tuple[int, ...]
     whole_deadlines: tuple[float, ...]  # the deadlines of the buckets sent whole (a repair's)
     ends_early: frozenset[str] = frozenset()
+    trees: tuple[RelayTree, ...] = ()
+    reach: Mapping[str, float] = dataclasses.field(default_factory=dict)  # per relayed server (``relay.reach_s``)
 
     @property
     def delta(self) -> DeltaVersion | None:
@@ -72,16 +76,41 @@ class Announcement:
     def deadlines(self) -> tuple[float, ...]:
         return self.request.deadlines_s
 
-    def whole(self, to: tuple[EngineClient, ...], ends_early: frozenset[str]) -> Announcement:
+    def whole(self, to: tuple[EngineClient, ...], ends_early: frozenset[str],
+              trees: tuple[RelayTree, ...]) -> Announcement:
         """The same version to ``to`` only, every bucket whole (a repair: its deltas went with the first
-        try); ``ends_early`` in the repair's own epoch."""
+        try); ``ends_early`` and ``trees`` in the repair's own epoch, whose depths its servers'
+        deadlines follow."""
         request = dataclasses.replace(self.request, delta=None, deadlines_s=self.whole_deadlines)
-        return dataclasses.replace(self, request=request, requests={e.url: request for e in to}, to=to,
+        requests, reach = relayed_requests(request, to, trees)
+        return dataclasses.replace(self, request=request, requests=requests, to=to, trees=trees, reach=reach,
                                    sizes=tuple(b.nbytes for b in self.plan.buckets), ends_early=ends_early)
 
     def for_ranks(self) -> VersionPlan:
         """What a sharded trainer's other ranks need of it to send the buckets they own."""
         return VersionPlan(self.version, self.deadlines, self.frames, self.delta)
+
+
+def relayed_requests(request: UpdateRequest, to: Iterable[EngineClient], trees: tuple[RelayTree, ...]
+                     ) -> tuple[dict[str, UpdateRequest], dict[str, float]]:
+    """Each server's request, and how much later than its tree's root each relayed one may get the
+    version's first frame (``relay.reach_s``: one hop per server above it, each within the first
+    payload's own deadline). A relayed server's request is ``request`` with that added to its first
+    deadline (capped at the wire's ceiling), which its header-0 wait (``protocol.receive``) and its
+    background receive's window (``protocol.background.finish_window_s``) take; its HTTP phases add
+    it too (``Phases``). Only deadlines differ, which the plan hash leaves out: the frames are the
+    same for every server."""
+    first = request.deadline_s(0)
+    reach = reach_s(trees, first) if first is not None else {}
+    return {e.url: deepened(request, reach.get(e.url, 0.0)) for e in to}, reach
+
+
+def deepened(request: UpdateRequest, reach_s: float) -> UpdateRequest:
+    """``request`` whose first bucket's deadline is ``reach_s`` longer (at most ``MAX_DEADLINE_S``)."""
+    if not reach_s or not request.deadlines_s:
+        return request
+    first, *rest = request.deadlines_s
+    return dataclasses.replace(request, deadlines_s=(min(MAX_DEADLINE_S, first + reach_s), *rest))
 
 
 @dataclass(frozen=True)
@@ -131,7 +160,7 @@ def send_version(fleet: Fleet, plan: BucketPlan, version: int, source: BucketSou
         fleet.epochs.park(repair)
         epoch = fleet.epochs.current
         if epoch.group is not None:
-            again = announcement.whole(epoch.members, ends_early(epoch.in_trees(), epoch.members, True))
+            again = announcement.whole(epoch.members, ends_early(epoch.in_trees(), epoch.members, True), epoch.trees)
             delivery = deliver(fleet, again, source, result)
             reform = record(fleet, again, delivery, result)
             result.repaired = sorted(e.url for e in repair if e.url in result.server_versions)
@@ -157,10 +186,11 @@ def announce(fleet: Fleet, version: int, plan: BucketPlan, source: BucketSource,
     skipped = [e.url for e in epoch.members if e not in to]
     if skipped:
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
-    requests = {e.url: shared if shared is not None and e.url in epoch.shared else request for e in to}
+    requests, reach = relayed_requests(request, to, epoch.trees)
+    requests.update({e.url: shared for e in to if shared is not None and e.url in epoch.shared})
     return Announcement(version, plan, request, requests, to, VersionFrames.of(request), sizes,
                         tuple(pace.deadline_s(b.nbytes) for b in plan.buckets),
-                        ends_early(epoch.in_trees(), to, fleet.kind.relayed))
+                        ends_early(epoch.in_trees(), to, fleet.kind.relayed), epoch.trees, reach)
 
 
 def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, result: SyncResult) -> Delivery:
@@ -169,7 +199,8 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
     server that took the version. A version the trainer abandoned half-way (``PackFailed``) raises
     its cause here (``abandon``)."""
     control, to = fleet.control, announcement.to
-    phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early)
+    phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early,
+                    announcement.reach)
     posted = {e.url: control.submit(phases.begin_and_update(e, announcement.requests[e.url])) for e in to}
     try:
         broken = data_path(fleet, announcement, source, result, posted)
@@ -259,13 +290,27 @@ def record(fleet: Fleet, announcement: Announcement, delivery: Delivery, result:
             book.unreachable(url, str(err), shm.segment if shm is not None else None)
         else:
             book.refused(url, version, str(err))
-    for url, ratio in fleet.epochs.relays.demote_slow(fleet.epochs.current.trees, delivery.received).items():
-        why = f"its hop of version {version} took {ratio:.1f}x the median of the others"
-        fleet.metrics.event("demoted", url, version, why)
-        log.warning("%s moves to a leaf of the relay: %s", url, why)
+    judge_relays(fleet, announcement, delivery, set(served), set(failures) - set(unreachable))
     if delivery.broken is not None or unreachable:
         return [e for e in announcement.to if e.url not in unreachable]
     return None
+
+
+def judge_relays(fleet: Fleet, announcement: Announcement, delivery: Delivery, took: set[str], refused: set[str]) -> None:
+    """What a relayed version says of its relaying servers: one whose hop held the servers below it
+    moves to a leaf (``Relays.demote_slow``); an edge whose upper server ``took`` the version while
+    its lower one answered that it did not (``refused``, for a reason other than its layout: a hop
+    failed, lost or corrupted it) is blamed (``Epochs.blame``): its two servers are never an edge
+    again. A server that gave no answer is evicted, and blames no one."""
+    version, relays = announcement.version, fleet.epochs.relays
+    for url, ratio in relays.demote_slow(announcement.trees, delivery.received).items():
+        why = f"its hop of version {version} took {ratio:.1f}x the median of the others"
+        fleet.metrics.event("demoted", url, version, why)
+        log.warning("%s moves to a leaf of the relay: %s", url, why)
+    edges = failed_edges(announcement.trees, refused - set(fleet.book.refusing()), took)
+    if edges:
+        fleet.epochs.blame(edges, version, f"version {version} did not cross its relay edge",
+                           {lower: delivery.updated.get(lower) for _, lower in edges})
 
 
 def to_send_again(fleet: Fleet, announcement: Announcement, reform: list[EngineClient] | None,

@@ -141,6 +141,8 @@ class Epochs:
 
     def _formed(self, number: int, alive: list[EngineClient], shared: frozenset[str], group: TrainerGroups,
                 layout: GroupLayout) -> Epoch:
+        """Epoch ``number`` formed over ``alive`` (its groups ``group``, its trees ``layout``'s): logged,
+        and its trees' order kept for the next epochs (``Relays.formed``)."""
         wired = [e for e in alive if e.url not in shared]
         log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", number,
                  [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),

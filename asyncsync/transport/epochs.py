@@ -33,7 +33,7 @@ from asyncsync.control import ControlLoop, ServerError, gather
 from asyncsync.engines.base import EngineClient, UnsupportedServer
 from asyncsync.engines.protocols import DataPlaneMember
 from asyncsync.protocol.device import Runtime
-from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.group import DataPlaneError, resolve_backend
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.ranks import TrainerRanks
@@ -209,8 +209,9 @@ class Epochs:
         asked), the trainer's groups (None: they did not form), every server's answer, and what
         failed on the trainer's side ('' when nothing did)."""
         cfg = self.config
+        resolve_backend(cfg.backend, self.runtime)  # a backend the weights cannot take is the caller's error: raised
         try:
-            layout = self._layout(number, wired)
+            layout = self._layout(number, wired)  # its free ports: none when out of file descriptors
             stores = layout.relay_stores()  # before any server is asked: a port taken meanwhile costs nothing
         except DataPlaneError as e:
             log.warning("epoch %d could not be planned: %s", number, e)

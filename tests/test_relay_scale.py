@@ -91,6 +91,9 @@ def test_a_first_deadline_never_passes_the_wires_ceiling_and_no_deadlines_stay_n
     requests, reach = relayed_requests(bare, engines, (tree,))
     assert reach == {} and all(r == bare for r in requests.values())
     assert reach_s((tree,), 2.0) == {u: 2.0 * i for i, u in enumerate(URLS) if i}
+    capped, reach = relayed_requests(request(deadline_s=120.0), engines, (tree,), most_s=120.0)
+    assert max(reach.values()) == 120.0 and capped[URLS[-1]].deadline_s(0) == 240.0, \
+        "before the rate is known (every deadline collective_s) the hops add one ceiling, not one per server"
 
 
 # -- blame: edges, apart, demoted, direct -----------------------------------------------------------

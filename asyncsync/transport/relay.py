@@ -25,6 +25,7 @@ bucket-time per server above it; a node of a tree sends each bucket once per ser
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,14 +195,16 @@ def arrange(ranked: Sequence[str], fanout: int, apart: Collection[frozenset[str]
     return order, out
 
 
-def reach_s(trees: Iterable[RelayTree], hop_s: float) -> dict[str, float]:
+def reach_s(trees: Iterable[RelayTree], hop_s: float, most_s: float = math.inf) -> dict[str, float]:
     """How much later than its tree's root each relayed server may get a version's first frame: one
     hop per server above it, each within ``hop_s`` (the first payload's own deadline: a server
     forwards a payload once it landed whole, so a hop takes what the payload may take to cross one
-    link). A relayed server's first-frame deadline, its ``update`` and ``end`` deadlines and its
+    link), all of them within ``most_s`` (``collective_s``, the ceiling of one broadcast: before the
+    rate is known every bucket's deadline is that ceiling, and a chain's depth must not multiply
+    it). A relayed server's first-frame deadline, its ``update`` and ``end`` deadlines and its
     background receive's window add it (``transport.send``), so a deep server is not failed for
     being deep."""
-    return {u: n * hop_s for tree in trees for u in tree.order if (n := tree.above(u))}
+    return {u: min(n * hop_s, most_s) for tree in trees for u in tree.order if (n := tree.above(u))}
 
 
 def failed_edges(trees: Iterable[RelayTree], failed: Collection[str], reached: Collection[str]) -> list[tuple[str, str]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class Announcement:
     ends_early: frozenset[str] = frozenset()
     trees: tuple[RelayTree, ...] = ()
     reach: Mapping[str, float] = dataclasses.field(default_factory=dict)  # per relayed server (``relay.reach_s``)
+    most_reach_s: float = math.inf  # the most ``reach`` may be (``collective_s``)
 
     @property
     def delta(self) -> DeltaVersion | None:
@@ -82,7 +84,7 @@ class Announcement:
         try); ``ends_early`` and ``trees`` in the repair's own epoch, whose depths its servers'
         deadlines follow."""
         request = dataclasses.replace(self.request, delta=None, deadlines_s=self.whole_deadlines)
-        requests, reach = relayed_requests(request, to, trees)
+        requests, reach = relayed_requests(request, to, trees, self.most_reach_s)
         return dataclasses.replace(self, request=request, requests=requests, to=to, trees=trees, reach=reach,
                                    sizes=tuple(b.nbytes for b in self.plan.buckets), ends_early=ends_early)
 
@@ -91,17 +93,17 @@ class Announcement:
         return VersionPlan(self.version, self.deadlines, self.frames, self.delta)
 
 
-def relayed_requests(request: UpdateRequest, to: Iterable[EngineClient], trees: tuple[RelayTree, ...]
-                     ) -> tuple[dict[str, UpdateRequest], dict[str, float]]:
+def relayed_requests(request: UpdateRequest, to: Iterable[EngineClient], trees: tuple[RelayTree, ...],
+                     most_s: float = math.inf) -> tuple[dict[str, UpdateRequest], dict[str, float]]:
     """Each server's request, and how much later than its tree's root each relayed one may get the
     version's first frame (``relay.reach_s``: one hop per server above it, each within the first
-    payload's own deadline). A relayed server's request is ``request`` with that added to its first
+    payload's own deadline, all within ``most_s``). A relayed server's request is ``request`` with that added to its first
     deadline (capped at the wire's ceiling), which its header-0 wait (``protocol.receive``) and its
     background receive's window (``protocol.background.finish_window_s``) take; its HTTP phases add
     it too (``Phases``). Only deadlines differ, which the plan hash leaves out: the frames are the
     same for every server."""
     first = request.deadline_s(0)
-    reach = reach_s(trees, first) if first is not None else {}
+    reach = reach_s(trees, first, most_s) if first is not None else {}
     return {e.url: deepened(request, reach.get(e.url, 0.0)) for e in to}, reach
 
 
@@ -186,11 +188,12 @@ def announce(fleet: Fleet, version: int, plan: BucketPlan, source: BucketSource,
     skipped = [e.url for e in epoch.members if e not in to]
     if skipped:
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
-    requests, reach = relayed_requests(request, to, epoch.trees)
+    most = fleet.config.deadlines.collective_s
+    requests, reach = relayed_requests(request, to, epoch.trees, most)
     requests.update({e.url: shared for e in to if shared is not None and e.url in epoch.shared})
     return Announcement(version, plan, request, requests, to, VersionFrames.of(request), sizes,
                         tuple(pace.deadline_s(b.nbytes) for b in plan.buckets),
-                        ends_early(epoch.in_trees(), to, fleet.kind.relayed), epoch.trees, reach)
+                        ends_early(epoch.in_trees(), to, fleet.kind.relayed), epoch.trees, reach, most)
 
 
 def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, result: SyncResult) -> Delivery:

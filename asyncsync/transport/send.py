@@ -97,11 +97,11 @@ def relayed_requests(request: UpdateRequest, to: Iterable[EngineClient], trees: 
                      most_s: float = math.inf) -> tuple[dict[str, UpdateRequest], dict[str, float]]:
     """Each server's request, and how much later than its tree's root each relayed one may get the
     version's first frame (``relay.reach_s``: one hop per server above it, each within the first
-    payload's own deadline, all within ``most_s``). A relayed server's request is ``request`` with that added to its first
-    deadline (capped at the wire's ceiling), which its header-0 wait (``protocol.receive``) and its
-    background receive's window (``protocol.background.finish_window_s``) take; its HTTP phases add
-    it too (``Phases``). Only deadlines differ, which the plan hash leaves out: the frames are the
-    same for every server."""
+    payload's own deadline, all within ``most_s``). A relayed server's request is ``request`` with
+    that added to its first deadline (capped at the wire's ceiling), which its header-0 wait
+    (``protocol.receive``) and its background receive's window
+    (``protocol.background.finish_window_s``) take; its HTTP phases add it too (``Phases``). Only
+    deadlines differ, which the plan hash leaves out: the frames are the same for every server."""
     first = request.deadline_s(0)
     reach = reach_s(trees, first, most_s) if first is not None else {}
     return {e.url: deepened(request, reach.get(e.url, 0.0)) for e in to}, reach
@@ -312,8 +312,9 @@ def judge_relays(fleet: Fleet, announcement: Announcement, delivery: Delivery, t
         log.warning("%s moves to a leaf of the relay: %s", url, why)
     edges = failed_edges(announcement.trees, refused - set(fleet.book.refusing()), took)
     if edges:
+        answers = {**delivery.updated, **delivery.ended}
         fleet.epochs.blame(edges, version, f"version {version} did not cross its relay edge",
-                           {lower: delivery.updated.get(lower) for _, lower in edges})
+                           {lower: answers.get(lower) for _, lower in edges})
 
 
 def to_send_again(fleet: Fleet, announcement: Announcement, reform: list[EngineClient] | None,

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -43,7 +44,7 @@ from asyncsync.transport.epochs import Epochs
 from asyncsync.transport.kinds import WEIGHTS
 from asyncsync.transport.phases import Phases
 from asyncsync.transport.relay import Relays, RelayTree, arrange, failed_edges, reach_s, tree_order
-from asyncsync.transport.send import relayed_requests
+from asyncsync.transport.send import judge_relays, relayed_requests
 from asyncsync.transport.topology import RelayStores
 
 from conftest import TINY
@@ -129,6 +130,28 @@ def test_a_partition_moves_the_child_a_relay_whose_children_keep_failing_is_demo
     moved = relays.blame([("s0", "s2")])
     assert moved == {"s2": ("direct", moved["s2"][1])} and "s0, s1" in moved["s2"][1] and relays.direct == {"s2"}
     assert relays.seniority[0] == "s0", "the failures followed s2: its second parent is not demoted"
+
+
+def test_a_version_blames_the_edge_below_a_server_that_took_it_and_demotes_a_relay_refusing_its_layout():
+    """``send.judge_relays`` on what came back of one version down a -> b -> c -> d -> e: b refused
+    the plan's layout (it will refuse every version) and c, d, e missed it with it; in a second
+    version d missed what c took. The layout refuser moves to a leaf; the edge c -> d is blamed."""
+    chain = (RelayTree.plan(["a", "b", "c", "d", "e"], 1),)
+    blamed: list[tuple[list[tuple[str, str]], int | None]] = []
+    metrics = SyncMetrics()
+    relays = Relays()
+    relays.seniority = list(chain[0].order)
+    book = SimpleNamespace(refusing=lambda: {"b": "layout refused"})
+    epochs = SimpleNamespace(relays=relays, blame=lambda edges, version, what, why: blamed.append((edges, version)))
+    fleet = SimpleNamespace(epochs=epochs, book=book, metrics=metrics)
+    lost = ServerError("c", "lost version 3", status=409)
+    delivery = SimpleNamespace(received={}, updated={"c": lost, "d": lost, "e": lost}, ended={})
+    judge_relays(fleet, SimpleNamespace(version=3, trees=chain), delivery, {"a"}, {"b", "c", "d", "e"})  # type: ignore[arg-type]
+    assert relays.seniority[-1] == "b" and [(e.kind, e.server) for e in metrics.events] == [("demoted", "b")]
+    assert blamed == [], "c, d and e missed it with b: no edge of theirs is to blame"
+    book.refusing = lambda: {}
+    judge_relays(fleet, SimpleNamespace(version=4, trees=chain), delivery, {"a", "b", "c"}, {"d", "e"})  # type: ignore[arg-type]
+    assert blamed == [([("c", "d")], 4)]
 
 
 # -- Epochs over stand-in engines ------------------------------------------------------------------

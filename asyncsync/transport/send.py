@@ -301,16 +301,22 @@ def record(fleet: Fleet, announcement: Announcement, delivery: Delivery, result:
 
 def judge_relays(fleet: Fleet, announcement: Announcement, delivery: Delivery, took: set[str], refused: set[str]) -> None:
     """What a relayed version says of its relaying servers: one whose hop held the servers below it
-    moves to a leaf (``Relays.demote_slow``); an edge whose upper server ``took`` the version while
-    its lower one answered that it did not (``refused``, for a reason other than its layout: a hop
-    failed, lost or corrupted it) is blamed (``Epochs.blame``): its two servers are never an edge
-    again. A server that gave no answer is evicted, and blames no one."""
-    version, relays = announcement.version, fleet.epochs.relays
-    for url, ratio in relays.demote_slow(announcement.trees, delivery.received).items():
-        why = f"its hop of version {version} took {ratio:.1f}x the median of the others"
+    moves to a leaf (``Relays.demote_slow``), and so does one that refuses the plan's layout (it
+    would refuse every version, and the servers below it would miss every one); an edge whose upper
+    server ``took`` the version while its lower one answered that it did not (``refused``, for a
+    reason other than its layout: a hop failed, lost or corrupted it) is blamed (``Epochs.blame``):
+    its two servers are never an edge again. A server that gave no answer is evicted, and blames no
+    one."""
+    version, relays, refusing = announcement.version, fleet.epochs.relays, set(fleet.book.refusing())
+    demoted = {url: f"its hop of version {version} took {ratio:.1f}x the median of the others"
+               for url, ratio in relays.demote_slow(announcement.trees, delivery.received).items()}
+    interior = {u for tree in announcement.trees for u in tree.order if tree.below(u)}
+    demoted.update({url: "it refuses every version of this plan (its layout): the servers below it would miss each one"
+                    for url in sorted(refusing & interior) if relays.demote(url)})
+    for url, why in demoted.items():
         fleet.metrics.event("demoted", url, version, why)
         log.warning("%s moves to a leaf of the relay: %s", url, why)
-    edges = failed_edges(announcement.trees, refused - set(fleet.book.refusing()), took)
+    edges = failed_edges(announcement.trees, refused - refusing, took)
     if edges:
         answers = {**delivery.updated, **delivery.ended}
         fleet.epochs.blame(edges, version, f"version {version} did not cross its relay edge",

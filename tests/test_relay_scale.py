@@ -317,8 +317,10 @@ class SlowEdge:
     def __init__(self) -> None:
         self.spec = GroupSpec("127.0.0.1", 1, 2, "edge", "gloo", 5.0)
         self.sent: list[int] = []
+        self.enqueuing = threading.Event()
 
     def broadcast_async(self, tensor: torch.Tensor, timeout_s: float | None = None) -> int:
+        self.enqueuing.set()
         time.sleep(0.05)
         self.sent.append(tensor.numel())
         return len(self.sent)
@@ -339,7 +341,7 @@ def test_a_lost_header_from_another_thread_never_interleaves_a_forward():
     payload = torch.zeros(1000, dtype=torch.uint8)
     sender = threading.Thread(target=forward.send, args=(0, payload, 1.0))
     sender.start()
-    time.sleep(0.02)  # the header is being enqueued: the payload is not yet
+    assert edge.enqueuing.wait(10)  # the header is being enqueued: the payload is not yet
     forward.abandon(lost=True)
     sender.join(10)
     header = VersionFrames.of(frames_request).lost().tensor().numel()

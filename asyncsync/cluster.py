@@ -3,6 +3,7 @@
     with Cluster({"trainer": Link(8), "s0": Link(8), "s1": Link(0.8)}) as cluster:
         cluster.address("s0")                                  # 10.88.0.3, reachable only from the hosts
         proc = cluster.popen("s0", [sys.executable, "-m", ...])  # a command inside s0's namespace
+        cluster.partition("s0", "s1")                          # s0 and s1 no longer reach each other
 
 ``asyncsync.netns`` shapes the one loopback that every process of a run shares: right for "the
 trainer's NIC", unable to show traffic between servers, which would cross the same shaped device.
@@ -31,6 +32,7 @@ from typing import Any
 from asyncsync.netns import Link
 
 SUBNET = ipaddress.ip_network("10.88.0.0/24")
+NOWHERE = "02:00:00:00:00:00"  # a hardware address no host of a cluster has (theirs are random)
 TOOLS = ("ip", "tc")
 _made = itertools.count()  # clusters made by this process: each one's namespaces get names of their own
 
@@ -121,6 +123,20 @@ class Cluster:
         the caller's environment and ``env(host)``)."""
         env = {**os.environ, **self.env(host), **kwargs.pop("env", {})}
         return subprocess.Popen(self.command(host, argv), env=env, **kwargs)
+
+    def partition(self, a: str, b: str) -> None:
+        """Drop every packet between hosts ``a`` and ``b``, both ways and silently (no refusal, no
+        reset: a firewall that drops), while both still reach every other host. Each host resolves
+        the other's address to ``NOWHERE``, so the bridge delivers their frames to no host; TCP
+        connections already open between them go silent too. ``heal`` undoes it."""
+        for here, there in ((a, b), (b, a)):
+            _run(*self.command(here, ["ip", "neigh", "replace", self.address(there), "lladdr", NOWHERE, "dev", "eth0",
+                                      "nud", "permanent"]))
+
+    def heal(self, a: str, b: str) -> None:
+        """Undo ``partition(a, b)``: each host resolves the other's address again."""
+        for here, there in ((a, b), (b, a)):
+            _run(*self.command(here, ["ip", "neigh", "del", self.address(there), "dev", "eth0"]))
 
     def close(self) -> None:
         """Remove every namespace made (their veth pairs go with them); never raises."""

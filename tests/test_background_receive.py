@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncsync.protocol.arena import Arena
-from asyncsync.protocol.background import BACKGROUND_NICE, BackgroundReceive
+from asyncsync.protocol.background import BACKGROUND_NICE, BackgroundReceive, finish_window_s
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.device import HostRuntime, Runtime
 from asyncsync.protocol.group import DataPlaneGroup, free_port
@@ -154,6 +154,29 @@ def test_a_cancelled_receive_blocks_the_next_until_it_ended():
         link.background.start(request(2), served_version=0)
         link.send(2).join(30)
         assert torch.equal(dict(link.background.take().tensors())["w"], weights(2))
+
+
+def test_a_relayed_receiver_waits_for_a_first_frame_as_many_hops_late_as_servers_above_it(link):
+    """A relayed server's first frame arrives one hop per server above it after the trainer's (review
+    M3a: vLLM's finish window was a fixed 10 s from the root's last byte). The trainer's request for
+    the last server of a chain of four waits 4x the first bucket's 0.5 s deadline for it, and so
+    does the finish window: frames 1.2 s late (three hops) are taken, verified."""
+    from asyncsync.transport.relay import RelayTree
+    from asyncsync.transport.send import relayed_requests
+
+    chain = RelayTree.plan(["a", "b", "c", "d"], 1)
+    below = type("Engine", (), {"url": "d"})()
+    base = UpdateRequest(1, (META,), True, (0.5,), receive="background")
+    deep = relayed_requests(base, [below], (chain,))[0]["d"]
+    assert deep.deadline_s(0) == 2.0 and finish_window_s(deep, 0.3) == pytest.approx(2.3)
+    link.background.start(deep, served_version=0)
+    late = threading.Timer(1.2, lambda: link.send(1).join(30))
+    late.start()
+    try:
+        staged = link.background.take(finish_window_s(deep, 0.3))  # finish, called as the trainer's broadcasts end
+    finally:
+        late.join(30)
+    assert torch.equal(dict(staged.tensors())["w"], weights(1))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")

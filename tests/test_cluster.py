@@ -112,3 +112,41 @@ def test_bad_host_names_are_refused_before_anything_is_made():
         Cluster({"a b": RATE})
     with pytest.raises(ValueError, match="at least one host"):
         Cluster({})
+
+
+# Connects to (address, port) within argv[3] seconds; prints "ok", or the error's name.
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("ok")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def test_a_partition_silences_two_hosts_to_each_other_only_and_heals(four_hosts):
+    sink = four_hosts.popen("a", [sys.executable, "-c", "import socket, sys, time\n"
+                                  "s = socket.create_server((sys.argv[1], 9100), backlog=16)\nprint('listening', flush=True)\n"
+                                  "while True:\n    s.accept()[0].close()", four_hosts.address("a")],
+                            stdout=subprocess.PIPE, text=True)
+
+    def connect(src: str) -> tuple[str, float]:
+        t0 = time.monotonic()
+        out = subprocess.run(four_hosts.command(src, [sys.executable, "-c", CONNECT, four_hosts.address("a"), "9100", "1.5"]),
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return out, time.monotonic() - t0
+
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "listening"
+        four_hosts.partition("a", "b")
+        try:
+            silent, waited = connect("b")
+            assert silent == "TimeoutError" and waited >= 1.5, "dropped silently: no refusal, no reset"
+            assert connect("c")[0] == "ok", "the others still reach a"
+        finally:
+            four_hosts.heal("a", "b")
+        assert connect("b")[0] == "ok"
+    finally:
+        sink.kill()
+        sink.wait()

@@ -9,7 +9,8 @@ switch::
     background.join(spec, rank)                # the trainer's group, joined from the worker thread
     background.start(request, served_version)  # returns at once; receives and verifies on the worker
     ...                                        # the serving thread keeps generating meanwhile
-    staged = background.take(timeout_s)        # waits for it; raises VersionRejected, DataPlaneError
+    staged = background.take(finish_window_s(request, base_s))  # waits for it; raises VersionRejected,
+                                               # DataPlaneError
     apply(staged)                              # the receiver's business: reads the staging buffers
     background.released()                      # the buffers may be received into again
     background.cancel()                        # or: drop a version that will not be applied
@@ -61,6 +62,20 @@ from asyncsync.protocol.wire import GroupSpec, UpdateRequest
 log = logging.getLogger(__name__)
 
 BACKGROUND_NICE = 10  # added to a receiving thread's nice value: serving threads win a contended core
+
+
+def finish_window_s(request: UpdateRequest, base_s: float) -> float:
+    """How long the call that ends a background update (``take``, after the trainer's own broadcasts
+    are over) may wait for ``request``'s version: ``base_s`` (the last bucket's verification), plus
+    what the trainer added to the first bucket's deadline over the others' for the relay hops above
+    this server (``transport.send.relayed_requests``). A relayed server's last frame arrives as many
+    hops after the trainer's last broadcast as its first did after the trainer's first, so its
+    window grows with its depth; a direct server's stays ``base_s`` (a first bucket larger than the
+    others adds its own excess; a version of one bucket, its deadline)."""
+    deadlines = request.deadlines_s
+    if not deadlines:
+        return base_s
+    return base_s + max(0.0, deadlines[0] - max(deadlines[1:], default=0.0))
 
 
 def lower_thread_priority(by: int = BACKGROUND_NICE) -> None:

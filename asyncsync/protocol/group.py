@@ -65,9 +65,14 @@ def resolve_backend(backend: str, runtime: Runtime) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on ``host`` now (another process may take it before it is bound again);
+    ``DataPlaneError`` when none can be had (no such address, or out of file descriptors)."""
+    try:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as e:
+        raise DataPlaneError(f"no free port on {host}: {e}") from None
 
 
 class Abandoner:
@@ -240,7 +245,8 @@ def _rendezvous(spec: GroupSpec, rank: int, runtime: Runtime, abandoned: Callabl
                              name="asyncsync-rendezvous-reaper", daemon=True).start()
             log.warning("rank %d: rendezvous at %s:%d %s; %d connection(s) shut", rank, spec.host, spec.port, why, shut)
             raise DataPlaneError(f"rank {rank}: rendezvous at {spec.host}:{spec.port} {why}: is the trainer's "
-                                 "rendezvous store listening there?")
+                                 "rendezvous store listening there, and can the group's members reach each other "
+                                 "(gloo connects every pair of them directly, on any port)?")
     if not outcome:
         raise DataPlaneError(f"rank {rank}: no rendezvous store answered at {spec.host}:{spec.port} within "
                              f"{spec.timeout_s:g}s: is the trainer's store listening there?")

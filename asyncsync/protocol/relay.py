@@ -11,9 +11,12 @@ and nothing is judged on the way: each server below verifies every bucket itself
 trainer's manifest, which travels the same way, so a hop that corrupts a bucket is refused by every
 server below it. An edge that fails (the server below died, or missed a deadline) is dropped and
 never fails the version of the server above: the trainer hears of the loss from the servers below
-(no answer, or a failed update) and sends them the version again (``transport.send``).
+(no answer, or a failed update) and sends them the version again (``transport.send``). Likewise an
+edge that cannot form at ``init_group`` (the server below unreachable from this one) is left out
+and never fails this server's join: the server below fails its own, and the trainer plans it below
+another parent (``transport.relay.Relays.blame``).
 
-    edges = Edges(); edges.join(specs, runtime)      # at init_group, as rank 0 of each edge
+    edges = Edges(); edges.join(specs, runtime)      # at init_group, as rank 0 of each edge (best effort)
     forward = edges.forward(frames, runtime)        # per version, once the last one's are done
     for each payload i, once it landed:
         forward.send(i, payload, deadline_s)
@@ -26,6 +29,7 @@ never fails the version of the server above: the trainer hears of the loss from 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -46,13 +50,19 @@ class Forward:
     ``in_flight``: how many payloads may still be on their way down when the next one is sent (None:
     all of them, so a slow server below never holds this one's receive; 0 where the payload's buffer
     is reused at once, a device ring's slot). The payloads' buffers must stay untouched until
-    ``finish`` returns."""
+    ``finish`` returns.
+
+    ``send`` (the receiving thread) and ``abandon`` (maybe another: a cancel on vLLM's serving
+    thread) take one lock around what they enqueue, so a LOST header never lands between a header
+    and its payload: the server below would take the payload for a header, which gloo answers by
+    aborting it; and the edges are never changed while the other goes through them."""
 
     def __init__(self, edges: Sequence[DataPlaneGroup], frames: VersionFrames, runtime: Runtime,
                  in_flight: int | None = None):
         self.edges = list(edges)
         self.frames, self.runtime, self.in_flight = frames, runtime, in_flight
         self._pending: list[list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]] = []
+        self._lock = threading.RLock()
 
     def send(self, index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
         """Forward payload ``index`` (landed whole) into every edge still up, after its frame header."""
@@ -60,20 +70,30 @@ class Forward:
             return
         header = self.runtime.upload(self.frames.header(index, payload).tensor())
         sent = []
-        for edge in list(self.edges):
-            try:
-                sent.append((edge, edge.broadcast_async(header, deadline_s), edge.broadcast_async(payload, deadline_s),
-                             header))
-            except DataPlaneError as e:
-                self._drop(edge, e)
-        self._pending.append(sent)
-        while self.in_flight is not None and len(self._pending) > self.in_flight:
-            self._wait_for(self._pending.pop(0))
+        with self._lock:
+            for edge in list(self.edges):
+                try:
+                    sent.append((edge, edge.broadcast_async(header, deadline_s),
+                                 edge.broadcast_async(payload, deadline_s), header))
+                except DataPlaneError as e:
+                    self._drop(edge, e)
+            self._pending.append(sent)
+        if self.in_flight is not None:
+            self._settle(self.in_flight)
 
     def finish(self) -> None:
         """Until every forward is done or its edge dropped."""
-        while self._pending:
-            self._wait_for(self._pending.pop(0))
+        self._settle(0)
+
+    def _settle(self, in_flight: int) -> None:
+        """Wait for the oldest forwards until at most ``in_flight`` are pending (never with the lock
+        held: ``abandon`` may run meanwhile, and empties them)."""
+        while True:
+            with self._lock:
+                if len(self._pending) <= in_flight:
+                    return
+                sent = self._pending.pop(0)
+            self._wait_for(sent)
 
     def abandon(self, lost: bool) -> None:
         """Close every edge and let go of every forward in flight. ``lost``: this server's receive
@@ -83,14 +103,15 @@ class Forward:
         when the peer only aborts its group, whose connections stay open while anything holds it:
         without that header the servers below would wait out their deadlines.)"""
         header = self.runtime.upload(self.frames.lost().tensor()) if lost else None
-        for edge in self.edges:
-            if header is not None:
-                try:
-                    edge.wait(edge.broadcast_async(header, LOST_S))
-                except DataPlaneError as e:  # that server is gone already
-                    log.debug("relay edge %s: %s", edge.spec.group_name, e)
-            edge.close(broken=True)
-        self.edges, self._pending = [], []
+        with self._lock:
+            edges, self.edges, self._pending = self.edges, [], []
+            for edge in edges:
+                if header is not None:
+                    try:
+                        edge.wait(edge.broadcast_async(header, LOST_S))
+                    except DataPlaneError as e:  # that server is gone already
+                        log.debug("relay edge %s: %s", edge.spec.group_name, e)
+                edge.close(broken=True)
 
     def _wait_for(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
@@ -100,10 +121,14 @@ class Forward:
                 edge.wait(payload)
                 edge.wait(header)
             except DataPlaneError as e:
-                self._drop(edge, e)
+                with self._lock:
+                    self._drop(edge, e)
 
     def _drop(self, edge: DataPlaneGroup, error: Exception) -> None:
-        """The server below is lost for this epoch; this server's own version goes on."""
+        """The server below is lost for this epoch; this server's own version goes on (called with
+        the lock held)."""
+        if edge not in self.edges:  # abandoned meanwhile
+            return
         self.edges.remove(edge)
         edge.close(broken=True)
         self._pending = [[s for s in sent if s[0] is not edge] for sent in self._pending]  # its works let go
@@ -120,10 +145,25 @@ class Edges:
         self._last: Forward | None = None  # kept once done: a failure before the next version's frames uses it
 
     def join(self, specs: Sequence[GroupSpec], runtime: Runtime, warmup: bool = True,
-             abandoner: Abandoner | None = None) -> None:
-        """Join each edge as its rank 0; the trainer runs their rendezvous stores."""
+             abandoner: Abandoner | None = None) -> list[str]:
+        """Join each edge as its rank 0 (the trainer runs their rendezvous stores), best effort: an
+        edge that cannot form (the server below dead, or unreachable from here) is left out and
+        logged, never this server's failure, which would evict a healthy server with its child; the
+        server below fails its own join, and the trainer plans it below another parent. A join
+        ``abandoner`` gave up (a newer ``init_group``) still raises. Returns why each edge left out
+        failed."""
+        abandoned = abandoner.watch() if abandoner is not None else (lambda: False)
+        failed = []
         for spec in specs:
-            self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+            try:
+                self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+            except DataPlaneError as e:
+                if abandoned():
+                    raise
+                failed.append(f"{spec.group_name}: {e}")
+                log.warning("relay edge %s left out: %s (the server below is planned below another)",
+                            spec.group_name, e)
+        return failed
 
     def forward(self, frames: VersionFrames, runtime: Runtime, in_flight: int | None = None) -> Forward:
         """The next version's forwarding (call ``wait_forwards`` first)."""

@@ -11,8 +11,11 @@ module writes a server's state (``tests/test_architecture.py`` checks that)::
     book.wrote(url)                     # it wrote an adapter version (served once loaded: ``loaded``)
     book.loaded(url, version)           # its engine loaded adapter version ``version``
     book.refused(url, version, why)     # it answered no: keeps its version (a layout refusal is kept)
-    book.unreachable(url, why)          # it gave no answer: evicted (its lease retired), probed later
+    book.unreachable(url, why)          # it gave no answer: evicted (its lease retired), probed once
+                                        # ``readmit_interval_s`` passed (again after each failed probe)
     book.distrusted(url, why)           # it forwarded bytes the trainer did not publish: evicted, named
+    book.probed(url)                    # an evicted server did not answer a readmission probe: not before
+                                        # another ``readmit_interval_s``
     book.expelled(url, why)             # evict it when the next version starts (``verify``'s divergence)
     book.rejoined(url, epoch)           # an evicted server is in an epoch's groups again
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -50,7 +54,8 @@ class ServerRecord:
     ``baseline``: the version it committed from this sync, the base of its next delta (None: it gets
     the next version whole); ``refusing``: why it refuses this plan's layout (every later version too);
     ``shared``: it maps versions from the trainer's shared memory; ``ranks``: its data-plane ranks;
-    ``lease``: the shared-memory segments it still maps; ``evicted``: why it is out of the groups;
+    ``lease``: the shared-memory segments it still maps; ``evicted``: why it is out of the groups, and
+    ``evicted_at`` since when (``time.monotonic``: its eviction, or the last probe it failed);
     ``expelled``: why it is to be evicted when the next version starts."""
 
     url: str
@@ -61,6 +66,7 @@ class ServerRecord:
     ranks: int | None = None
     lease: frozenset[str] = frozenset()
     evicted: str | None = None
+    evicted_at: float = 0.0
     expelled: str | None = None
 
 
@@ -101,6 +107,11 @@ class ServerBook:
     def evicted(self) -> dict[str, str]:
         with self._lock:
             return {u: r.evicted for u, r in self._records.items() if r.evicted is not None}
+
+    def evicted_since(self) -> dict[str, float]:
+        """Each evicted server's ``evicted_at``: when it was evicted, or last failed a probe."""
+        with self._lock:
+            return {u: r.evicted_at for u, r in self._records.items() if r.evicted is not None}
 
     def shared(self) -> frozenset[str]:
         with self._lock:
@@ -150,12 +161,14 @@ class ServerBook:
         self._set(url, baseline=None)
 
     def unreachable(self, url: str, why: str, reading: str | None = None) -> None:
-        """It gave no answer (dead, hung past a deadline, or never claimed): evicted. It may come back
+        """It gave no answer (dead, hung past a deadline, never claimed, or a readmission probe): evicted,
+        from now (``evicted_at``: it is not called again before ``readmit_interval_s``). It may come back
         restarted, so its next version is whole; it loses its lease, and the segments it held or was
         ``reading`` are retired, never rewritten under it."""
         with self._lock:
             record = self._records[url]
-            self._records[url] = replace(record, baseline=None, lease=frozenset(), evicted=why, expelled=None)
+            self._records[url] = replace(record, baseline=None, lease=frozenset(), evicted=why,
+                                         evicted_at=time.monotonic(), expelled=None)
         if self._pool is not None:
             self._pool.retire(record.lease | ({reading} if reading else set()))
         if record.evicted is None:
@@ -169,6 +182,11 @@ class ServerBook:
         self.metrics.event("forged", url, version, why)
         log.error("%s forwarded bytes of version %d the trainer did not publish: %s", url, version, why)
         self.unreachable(url, why)
+
+    def probed(self, url: str) -> None:
+        """An evicted server did not answer its readmission probe: it stays evicted (for its first
+        reason), and is not called again before another ``readmit_interval_s`` (``evicted_at``)."""
+        self._set(url, evicted_at=time.monotonic())
 
     def expelled(self, url: str, why: str) -> None:
         """Evict it between versions, not during one: when the next version starts (``take_expelled``)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,17 +33,21 @@ from asyncsync.control import ControlLoop, ServerError, gather
 from asyncsync.engines.base import EngineClient, UnsupportedServer
 from asyncsync.engines.protocols import DataPlaneMember
 from asyncsync.protocol.device import Runtime
-from asyncsync.protocol.group import DataPlaneError
+from asyncsync.protocol.group import DataPlaneError, resolve_backend
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.ranks import TrainerRanks
 from asyncsync.transport.book import ServerBook
 from asyncsync.transport.commands import Formed, NewEpoch
 from asyncsync.transport.kinds import VersionKind
-from asyncsync.transport.relay import Relays, RelayTree
+from asyncsync.transport.relay import Relays, RelayTree, failed_edges
 from asyncsync.transport.topology import GroupLayout, TrainerGroups
 
 log = logging.getLogger(__name__)
+
+RETRIES = 2  # a formation that failed only by a port taken meanwhile, or by relay edges, is tried again this often
+PROBE_S = 5.0  # a readmission probe's deadline: a health check answers in milliseconds; a host that has not
+# answered by then is not back (a black-holed one would otherwise hold the version's start for http_s)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,6 @@ class Epochs:
         self.relays = Relays()  # the servers' order in every relay tree, across epochs
         self.conflicts: dict[str, str] = {}  # of the last form: servers another trainer session owns
         self.parked: tuple[EngineClient, ...] = ()  # members sitting out a repair's epoch (``park``)
-        self._next_probe = 0.0
 
     def serve(self, kind: VersionKind) -> None:
         """From now on a server's version is ``kind``'s (``lora: adapter``: its newest adapter version)."""
@@ -96,12 +99,14 @@ class Epochs:
     def form(self, candidates: Sequence[EngineClient], refuse_unsupported: bool = False, takeover: bool = False) -> None:
         """(Re)build the groups over the candidates that answer and are this session's to claim
         (``takeover``: even from a live owner), in config order; evict the others (with
-        ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join)."""
+        ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join). A relay
+        edge that fails to form evicts neither of its servers: they are kept apart (``blame``) and
+        the groups formed again, as after a port taken meanwhile (at most ``RETRIES`` times)."""
         self.drop()
         self.conflicts = {}
         alive = self._claim(list(candidates), refuse_unsupported, takeover)
         shared = self.book.shared()
-        retried = False
+        retries = RETRIES
         formed = Epoch(self.current.number)
         while alive:
             number = formed.number + 1
@@ -111,33 +116,64 @@ class Epochs:
                 formed = Epoch(number, tuple(alive), frozenset(e.url for e in alive))
                 log.info("epoch %d: %d server(s) on shared memory, no data-plane group", number, len(alive))
                 break
-            layout = self._layout(number, wired)
-            group, answers, port_taken = self._join(layout, wired)
-            still = self._drop_unreachable(wired, answers)
-            if self._agree(group is not None, len(still) == len(wired)):
+            layout, group, answers, failed_here = self._join(number, wired)
+            edges = self._failed_edges(layout, answers) if retries else []
+            still = wired if edges or layout is None else self._drop_unreachable(wired, answers)
+            if layout is not None and self._agree(group is not None, len(still) == len(wired) and not edges):
                 assert group is not None
-                formed = Epoch(number, tuple(alive), frozenset(e.url for e in alive if e.url in shared), group,
-                               layout.trees)
-                log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", number,
-                         [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
-                         "".join(f"; relay {t.describe()}" for t in layout.trees))
-                self.relays.formed(layout.trees)
+                formed = self._formed(number, alive, shared, group, layout)
                 break
             formed = Epoch(number)
             if group is not None:
                 group.close(broken=True)
-            if len(still) == len(wired):  # everyone answered yet the group did not form
-                if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
-                    retried = True
+            if len(still) == len(wired):  # everyone answered, or no one was asked, yet the groups did not form
+                if retries and (edges or layout is None or "EADDRINUSE" in failed_here):
+                    retries -= 1  # on fresh ports, and around the edges that failed
                     continue
                 for e in wired:
-                    self.book.unreachable(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
+                    self.book.unreachable(e.url, f"could not form the data-plane group: {failed_here or answers[e.url]!r}")
                 still = []
             alive = [e for e in alive if e.url in shared or e in still]
         self.current = formed
         for e in formed.members:
             self.book.rejoined(e.url, formed.number)
         self.refresh()
+
+    def _formed(self, number: int, alive: list[EngineClient], shared: frozenset[str], group: TrainerGroups,
+                layout: GroupLayout) -> Epoch:
+        """Epoch ``number`` formed over ``alive`` (its groups ``group``, its trees ``layout``'s): logged,
+        and its trees' order kept for the next epochs (``Relays.formed``)."""
+        wired = [e for e in alive if e.url not in shared]
+        log.info("epoch %d: data-plane groups of %s ranks over %d server(s), %d on shared memory%s", number,
+                 [specs[0].world_size for _, specs in layout.groups], len(wired), len(alive) - len(wired),
+                 "".join(f"; relay {t.describe()}" for t in layout.trees))
+        self.relays.formed(layout.trees)
+        return Epoch(number, tuple(alive), frozenset(e.url for e in alive if e.url in shared), group, layout.trees)
+
+    def _failed_edges(self, layout: GroupLayout | None, answers: dict[str, Any]) -> list[tuple[str, str]]:
+        """The relay edges that failed to form (``relay.failed_edges``: a server whose edge's upper
+        joined), each blamed (``blame``); none when no server was asked."""
+        if layout is None or not layout.trees:
+            return []
+        failed = {u for u, a in answers.items() if isinstance(a, BaseException)}
+        edges = failed_edges(layout.trees, failed, set(answers) - failed)
+        if edges:
+            self.blame(edges, None, "the rendezvous of its relay edge failed", {lower: answers[lower] for _, lower in edges})
+        return edges
+
+    def blame(self, edges: Sequence[tuple[str, str]], version: int | None, what: str,
+              why: Mapping[str, Any]) -> None:
+        """Relay edges (upper, lower) that failed (``what`` happened, ``why`` per lower server): the
+        two servers are never an edge again, and a server whose failures follow it is moved
+        (``Relays.blame``); each step is an event (``apart`` on the lower server; ``demoted``,
+        ``direct``) and a warning."""
+        for upper, lower in edges:
+            detail = f"{what} (from {upper}): {why.get(lower)}; the two are never an edge again"
+            self.book.metrics.event("apart", lower, version, detail)
+            log.warning("%s: %s", lower, detail)
+        for url, (kind, detail) in self.relays.blame(edges).items():
+            self.book.metrics.event(kind, url, version, detail)
+            log.warning("%s: %s", url, detail)
 
     def _claim(self, candidates: list[EngineClient], refuse_unsupported: bool, takeover: bool) -> list[EngineClient]:
         """The candidates that answer (on this host with ``transport: shm``), claimed for this session;
@@ -161,25 +197,35 @@ class Epochs:
         epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.token}.{number}",
                                 master_port=cfg.master_port if number == 1 else 0)
         self.relays.forget(self.book.evicted())  # an evicted server comes back as a leaf
+        relays = self.relays
         return GroupLayout.of(epoch_cfg, wired, self.book.ranks(), self.runtime, self.sources, self.buckets,
-                              self.relays.seniority)
+                              relays.seniority, relays.apart, relays.direct)
 
-    def _join(self, layout: GroupLayout, wired: list[DataPlaneMember]
-              ) -> tuple[TrainerGroups | None, dict[str, Any], bool]:
-        """Every server joins concurrently while this rank joins as rank 0 (the other trainer ranks
-        join theirs); the trainer's groups (None: they did not form), every server's answer, and
-        whether the trainer's port was taken meanwhile."""
+    def _join(self, number: int, wired: list[EngineClient]
+              ) -> tuple[GroupLayout | None, TrainerGroups | None, dict[str, Any], str]:
+        """Plan epoch ``number``'s groups and run its relay edges' stores; then every server joins
+        concurrently while this rank joins as rank 0 (the other trainer ranks join theirs). Returns
+        the layout (None: the trainer could not plan it or run its stores, and no server or rank was
+        asked), the trainer's groups (None: they did not form), every server's answer, and what
+        failed on the trainer's side ('' when nothing did)."""
         cfg = self.config
+        resolve_backend(cfg.backend, self.runtime)  # a backend the weights cannot take is the caller's error: raised
+        try:
+            layout = self._layout(number, wired)  # its free ports: none when out of file descriptors
+            stores = layout.relay_stores()  # before any server is asked: a port taken meanwhile costs nothing
+        except DataPlaneError as e:
+            log.warning("epoch %d could not be planned: %s", number, e)
+            return None, None, {}, str(e)
         self.ranks.from_leader(NewEpoch([layout.specs_for(r) for r in range(self.ranks.world)]))
         joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
         group: TrainerGroups | None = None
-        port_taken = False
+        failed = ""
         try:
-            group = layout.join()  # returns once every server's ranks joined
+            group = layout.join(stores=stores)  # returns once every server's ranks joined
         except DataPlaneError as e:
             log.warning("epoch forming failed: %s", e)
-            port_taken = "EADDRINUSE" in str(e)
-        return group, joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s), port_taken
+            failed = str(e)
+        return layout, group, joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s), failed
 
     def _agree(self, formed_here: bool, every_server: bool) -> bool:
         """Whether every trainer rank formed its groups and every server joined; every rank is told."""
@@ -251,10 +297,8 @@ class Epochs:
     def start_version(self) -> None:
         """Before a version: evict the members ``expelled`` (readmitted, as any evicted server, once
         ``readmit_interval_s`` passed and it answers), take the ``parked`` ones back, re-plan a relay
-        that must be; then probe the evicted servers (``readmit``)."""
+        that must be; then probe the evicted servers that are due (``readmit``)."""
         out = self.book.take_expelled()
-        if out:
-            self._next_probe = time.monotonic() + self.config.readmit_interval_s
         if out or self.parked or self.relays.replan:
             self.relays.replan = False
             back, self.parked = set(self.parked), ()
@@ -263,21 +307,27 @@ class Epochs:
 
     def park(self, repair: Sequence[EngineClient]) -> None:
         """A new epoch over ``repair`` only (the servers a relay failed to bring a version to); the
-        other members sit it out (``parked``) until the next version starts."""
-        evicted = self.book.evicted()  # in this very version: they wait out readmit_interval_s as any evicted server
+        other members sit it out (``parked``) until the next version starts. A member evicted in this
+        version is not parked: it comes back only through ``readmit``, not before
+        ``readmit_interval_s``."""
+        evicted = self.book.evicted()
         self.parked = tuple(e for e in self.current.members if e not in repair and e.url not in evicted)
         self.form(repair)
 
     def readmit(self) -> None:
-        """Probe evicted servers (rate-limited); a new epoch with those that answer."""
-        now = time.monotonic()
-        evicted = self.book.evicted()
-        if not evicted or now < self._next_probe:
+        """Probe each evicted server whose eviction (or last failed probe) is ``readmit_interval_s``
+        old, each within ``PROBE_S`` (a black-holed host holds the version's start that long, not
+        ``http_s``); a new epoch with those that answer. One that does not stays evicted, from now."""
+        now, interval = time.monotonic(), self.config.readmit_interval_s
+        due = {u for u, since in self.book.evicted_since().items() if now - since >= interval}
+        out = [e for e in self.engines if e.url in due]
+        if not out:
             return
-        self._next_probe = now + self.config.readmit_interval_s
-        out = [e for e in self.engines if e.url in evicted]
-        probes = self.call_all(out, lambda e: e.health(), "health")
+        probes = self.control.call_all(out, lambda e: e.health(), "health", min(PROBE_S, self.config.deadlines.http_s))
         back = [e for e in out if not isinstance(probes[e.url], BaseException)]
+        for e in out:
+            if e not in back:
+                self.book.probed(e.url)
         if back:
             self.form([e for e in self.engines if e in self.current.members or e in back])
 

@@ -7,7 +7,10 @@
     served = await phases.end(engine, version)
 
 Each phase has its own deadline, ``engine.calls(phase, buckets) x http_s`` (vLLM's ``begin`` is two
-calls with its pause, SGLang's ``update`` one per bucket), enforced inside the control loop; a phase
+calls with its pause, SGLang's ``update`` one per bucket), and a relayed server's ``update`` and
+``end`` also the time the version takes to reach it below its tree's root (``reach``:
+``transport.relay.reach_s``), so a deep server is not given up on for its depth; each deadline is
+enforced inside the control loop; a phase
 that fails or misses it is followed by ``abort`` (resume generation, close an update session), so no
 server is left paused. A server in ``ends_early`` (a relayed one) is sent ``end`` as soon as its
 ``update`` answered: it serves the version then, not once the slowest server received it. A server in
@@ -22,7 +25,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncsync.control import ServerError, within
@@ -40,15 +43,17 @@ class Phases:
     """One version's calls to its servers (the module doc): what each server answered and when."""
 
     def __init__(self, kind: VersionKind, http_s: float, buckets: int, ends_early: frozenset[str] = frozenset(),
-                 digested: frozenset[str] = frozenset()):
+                 reach: Mapping[str, float] | None = None, digested: frozenset[str] = frozenset()):
         self.kind, self.http_s, self.buckets, self.ends_early, self.digested = kind, http_s, buckets, ends_early, digested
+        self.reach = dict(reach or {})  # per relayed server: how much later than the root the version reaches it
         self.digests: concurrent.futures.Future[tuple[str, ...]] = concurrent.futures.Future()
         # When each server's update answered yes, for a relay's slow hops (not background receivers).
         self.received: dict[str, float] = {}
         self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
 
     def deadline(self, e: UpdateTarget, phase: Phase) -> float:
-        return e.calls(phase, self.buckets) * self.http_s
+        later = self.reach.get(e.url, 0.0) if phase in ("update", "end") else 0.0
+        return e.calls(phase, self.buckets) * self.http_s + later
 
     def update_s(self, engines: Sequence[UpdateTarget]) -> float:
         """How long ``begin_and_update`` may take on any of ``engines``, its abort included."""

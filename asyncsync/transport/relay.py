@@ -9,9 +9,13 @@ server its rank 0) whose rendezvous store the trainer runs; a dead server breaks
     tree = RelayTree.plan(urls, fanout=RelayTree.auto_fanout(len(urls), buckets))
     tree.root, tree.below(url), tree.parent(url), tree.depth
 
-The relay's policy across versions lives here too: who ends early (``ends_early``), who is sent a
-version again after a hop failed (``to_repair``), and which relaying server moves to a leaf
-(``Relays.demote_slow``) for holding the servers below it.
+The relay's policy across versions lives here too: how much later than the root each relayed
+server may get a version's first frame (``reach_s``: its deadlines grow with its depth), who ends
+early (``ends_early``), who is sent a version again after a hop failed (``to_repair``), which edge a
+failure is blamed on (``failed_edges``; ``Relays.blame`` keeps its two servers apart, demotes a
+relay whose children keep failing, and takes a server that fails under every parent out of the
+tree), and which relaying server moves to a leaf (``Relays.demote_slow``) for holding the servers
+below it.
 
 ``auto`` picks the fan-out with the least pipelined time in that model: a chain (1) while the servers
 do not outnumber the buckets by much, a wider tree when they do (a chain's last server waits one
@@ -20,13 +24,20 @@ bucket-time per server above it; a node of a tree sends each bucket once per ser
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+import math
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MAX_AUTO_FANOUT = 8  # ``auto`` considers trees up to this wide
 SLOW_HOP = 4.0  # a relayed server whose hop took this many times the others' median is moved to a leaf
 SLOW_HOP_MIN_S = 0.2  # ... and only when its hop took at least this long (noise on fast versions)
+BLAMED = 2  # a relay whose children failed this many times is demoted; a server that failed under this many
+# parents leaves the tree (the failures follow it, not its parents)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,13 @@ class RelayTree:
         """Servers on the longest path down from the root (the root included)."""
         return _depth(len(self.order), self.fanout)
 
+    def above(self, url: str) -> int:
+        """How many servers are above ``url`` (0 for the root): the hops a version makes before it."""
+        j, n = self.order.index(url), 0
+        while j:
+            j, n = (j - 1) // self.fanout, n + 1
+        return n
+
     def parent(self, url: str) -> str | None:
         """The server ``url`` gets versions from; None for the root (the trainer's)."""
         j = self.order.index(url)
@@ -86,12 +104,19 @@ class RelayTree:
 class Relays:
     """One sender's relay across epochs: the servers in the order every tree takes them
     (``seniority``: the oldest members first, so a server that was evicted or demoted comes back as
-    a leaf), and whether the next version must re-plan (``replan``). The trees themselves are the
-    current epoch's (``transport.epochs.Epoch.trees``)."""
+    a leaf), the pairs of servers whose edge failed (``apart``: never an edge again), the servers
+    that failed under every parent they had (``direct``: the trainer's own children, in no tree),
+    and whether the next version must re-plan (``replan``). The trees themselves are the current
+    epoch's (``transport.epochs.Epoch.trees``). Kept for the sender's life: a partition that healed
+    costs only a different order."""
 
     def __init__(self) -> None:
         self.seniority: list[str] = []
+        self.apart: set[frozenset[str]] = set()
+        self.direct: set[str] = set()
         self.replan = False
+        self._failed_below: Counter[str] = Counter()  # per relay: servers below it that failed since it moved
+        self._failed_under: dict[str, set[str]] = {}  # per server: the parents it failed under
 
     def formed(self, trees: tuple[RelayTree, ...]) -> None:
         self.seniority += [u for t in trees for u in t.order if u not in self.seniority]
@@ -106,6 +131,7 @@ class Relays:
         if url not in self.seniority or self.seniority[-1] == url:
             return False
         self.seniority = [u for u in self.seniority if u != url] + [url]
+        self._failed_below.pop(url, None)
         self.replan = True
         return True
 
@@ -113,6 +139,79 @@ class Relays:
         """Demote the relaying servers that held the servers below them (``slow_hops``); each one
         demoted now, with its hop over the median of the others."""
         return {url: ratio for url, ratio in slow_hops(trees, received).items() if self.demote(url)}
+
+    def blame(self, edges: Iterable[tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        """Each failed edge (upper, lower: what reached the upper never reached the lower, at a
+        rendezvous or in a version; ``failed_edges``): the two are never an edge again (``apart``),
+        so from the next epoch on the lower is planned below another parent, and a partition between
+        two servers costs one version. A failure follows the server that keeps failing: a lower that
+        failed under ``BLAMED`` parents leaves the trees (``direct``: the trainer sends it versions
+        itself); otherwise a relay whose children failed ``BLAMED`` times moves to a leaf
+        (``demote``). Returns, per server moved, the event's kind (``direct``, ``demoted``) and why."""
+        moved: dict[str, tuple[str, str]] = {}
+        for upper, lower in edges:
+            self.apart.add(frozenset((upper, lower)))
+            self.replan = True
+            parents = self._failed_under.setdefault(lower, set())
+            parents.add(upper)
+            if len(parents) >= BLAMED:
+                if lower not in self.direct:
+                    self.direct.add(lower)
+                    moved[lower] = ("direct", f"it failed below {len(parents)} relaying servers "
+                                              f"({', '.join(sorted(parents))}): the trainer sends it versions itself")
+                continue
+            self._failed_below[upper] += 1
+            failed = self._failed_below[upper]
+            if failed >= BLAMED and self.demote(upper):
+                moved[upper] = ("demoted", f"servers below it failed {failed} times")
+        return moved
+
+
+def tree_order(urls: Sequence[str], fanout: int, seniority: Sequence[str] = (),
+               apart: Collection[frozenset[str]] = ()) -> tuple[list[str], list[str]]:
+    """A tree's order over the relaying servers ``urls`` (config order): by ``seniority``, the others
+    after them, with no edge between two servers kept ``apart`` (``arrange``); and the servers that
+    found no place (they stay in the trainer's own group)."""
+    rank = {url: i for i, url in enumerate(seniority)}
+    return arrange(sorted(urls, key=lambda u: rank.get(u, len(rank))), fanout, apart)
+
+
+def arrange(ranked: Sequence[str], fanout: int, apart: Collection[frozenset[str]]) -> tuple[list[str], list[str]]:
+    """``ranked`` as a tree's breadth-first order (fan-out ``fanout``) in which no edge joins two
+    servers kept ``apart``: each place takes the first server left that is not kept apart from the
+    parent of that place; when every server left is, the first of them goes to the trainer's own
+    group instead (the second list). Without ``apart``, ``ranked`` as it is."""
+    order: list[str] = []
+    out: list[str] = []
+    left = list(ranked)
+    while left:
+        parent = order[(len(order) - 1) // fanout] if order else None
+        fits = next((u for u in left if parent is None or frozenset((parent, u)) not in apart), None)
+        if fits is None:
+            out.append(left.pop(0))
+            continue
+        order.append(fits)
+        left.remove(fits)
+    return order, out
+
+
+def reach_s(trees: Iterable[RelayTree], hop_s: float, most_s: float = math.inf) -> dict[str, float]:
+    """How much later than its tree's root each relayed server may get a version's first frame: one
+    hop per server above it, each within ``hop_s`` (the first payload's own deadline: a server
+    forwards a payload once it landed whole, so a hop takes what the payload may take to cross one
+    link), all of them within ``most_s`` (``collective_s``, the ceiling of one broadcast: before the
+    rate is known every bucket's deadline is that ceiling, and a chain's depth must not multiply
+    it). A relayed server's first-frame deadline, its ``update`` and ``end`` deadlines and its
+    background receive's window add it (``transport.send``), so a deep server is not failed for
+    being deep."""
+    return {u: min(n * hop_s, most_s) for tree in trees for u in tree.order if (n := tree.above(u))}
+
+
+def failed_edges(trees: Iterable[RelayTree], failed: Collection[str], reached: Collection[str]) -> list[tuple[str, str]]:
+    """The edges (upper, lower) failures are blamed on: ``lower`` failed while ``upper`` was
+    ``reached`` (it joined the epoch, or took the version). A server below a failed one failed with
+    it, not by its own edge; a root's failure is its own link to the trainer, no server's."""
+    return [(p, u) for tree in trees for p, u in tree.edges() if u in failed and p in reached]
 
 
 def ends_early(in_trees: set[str], engines: Iterable[Any], relayed_kind: bool) -> frozenset[str]:

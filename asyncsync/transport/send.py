@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +36,14 @@ from asyncsync.metrics import SyncResult
 from asyncsync.protocol.digest import NOT_PUBLISHED
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.wire import BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
+from asyncsync.protocol.wire import MAX_DEADLINE_S, BucketMeta, DeltaVersion, SharedVersion, UpdateRequest
 from asyncsync.ranks import TrainerRankLost
 from asyncsync.transport.commands import Done, Version
 from asyncsync.transport.datapath import DataPath, PackFailed, VersionPlan, finish_data_path
 from asyncsync.transport.epochs import Epoch
 from asyncsync.transport.fleet import Fleet
 from asyncsync.transport.phases import Phases, collect
-from asyncsync.transport.relay import ends_early, forgers, to_repair
+from asyncsync.transport.relay import RelayTree, ends_early, failed_edges, forgers, reach_s, to_repair
 from asyncsync.transport.sources import BucketSource
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Announcement:
     """What one version is, before any of it moves: ``requests`` per server it goes to (``to``, in
-    the epoch's order; a same-host server's names where the version lies), the bucket ``sizes`` on
-    the wire and their ``deadlines`` (a bucket sent as a delta is its delta's size), the ``frames``
-    every payload's header carries, and the servers that end as soon as they received it."""
+    the epoch's order; a same-host server's names where the version lies; a relayed server's first
+    deadline grows with its depth, by ``reach`` seconds: ``relayed_requests``), the relay ``trees``
+    it goes down, the bucket ``sizes`` on the wire and their ``deadlines`` (a bucket sent as a delta
+    is its delta's size), the ``frames`` every payload's header carries, and the servers that end
+    as soon as they received it."""
 
     version: int
     plan: BucketPlan
@@ -64,6 +67,9 @@ class Announcement:
     sizes: tuple[int, ...]
     whole_deadlines: tuple[float, ...]  # the deadlines of the buckets sent whole (a repair's)
     ends_early: frozenset[str] = frozenset()
+    trees: tuple[RelayTree, ...] = ()
+    reach: Mapping[str, float] = dataclasses.field(default_factory=dict)  # per relayed server (``relay.reach_s``)
+    most_reach_s: float = math.inf  # the most ``reach`` may be (``collective_s``)
 
     @property
     def delta(self) -> DeltaVersion | None:
@@ -73,11 +79,14 @@ class Announcement:
     def deadlines(self) -> tuple[float, ...]:
         return self.request.deadlines_s
 
-    def whole(self, to: tuple[EngineClient, ...], ends_early: frozenset[str]) -> Announcement:
+    def whole(self, to: tuple[EngineClient, ...], ends_early: frozenset[str],
+              trees: tuple[RelayTree, ...]) -> Announcement:
         """The same version to ``to`` only, every bucket whole (a repair: its deltas went with the first
-        try); ``ends_early`` in the repair's own epoch."""
+        try); ``ends_early`` and ``trees`` in the repair's own epoch, whose depths its servers'
+        deadlines follow."""
         request = dataclasses.replace(self.request, delta=None, deadlines_s=self.whole_deadlines)
-        return dataclasses.replace(self, request=request, requests={e.url: request for e in to}, to=to,
+        requests, reach = relayed_requests(request, to, trees, self.most_reach_s)
+        return dataclasses.replace(self, request=request, requests=requests, to=to, trees=trees, reach=reach,
                                    sizes=tuple(b.nbytes for b in self.plan.buckets), ends_early=ends_early)
 
     def for_ranks(self) -> VersionPlan:
@@ -88,6 +97,28 @@ class Announcement:
     def digested(self) -> frozenset[str]:
         """The servers sent the trainer's digests with ``end`` (their request announced them)."""
         return frozenset(u for u, r in self.requests.items() if r.digest)
+
+
+def relayed_requests(request: UpdateRequest, to: Iterable[EngineClient], trees: tuple[RelayTree, ...],
+                     most_s: float = math.inf) -> tuple[dict[str, UpdateRequest], dict[str, float]]:
+    """Each server's request, and how much later than its tree's root each relayed one may get the
+    version's first frame (``relay.reach_s``: one hop per server above it, each within the first
+    payload's own deadline, all within ``most_s``). A relayed server's request is ``request`` with
+    that added to its first deadline (capped at the wire's ceiling), which its header-0 wait
+    (``protocol.receive``) and its background receive's window
+    (``protocol.background.finish_window_s``) take; its HTTP phases add it too (``Phases``). Only
+    deadlines differ, which the plan hash leaves out: the frames are the same for every server."""
+    first = request.deadline_s(0)
+    reach = reach_s(trees, first, most_s) if first is not None else {}
+    return {e.url: deepened(request, reach.get(e.url, 0.0)) for e in to}, reach
+
+
+def deepened(request: UpdateRequest, reach_s: float) -> UpdateRequest:
+    """``request`` whose first bucket's deadline is ``reach_s`` longer (at most ``MAX_DEADLINE_S``)."""
+    if not reach_s or not request.deadlines_s:
+        return request
+    first, *rest = request.deadlines_s
+    return dataclasses.replace(request, deadlines_s=(min(MAX_DEADLINE_S, first + reach_s), *rest))
 
 
 @dataclass(frozen=True)
@@ -137,7 +168,7 @@ def send_version(fleet: Fleet, plan: BucketPlan, version: int, source: BucketSou
         fleet.epochs.park(repair)
         epoch = fleet.epochs.current
         if epoch.group is not None:
-            again = announcement.whole(epoch.members, ends_early(epoch.in_trees(), epoch.members, True))
+            again = announcement.whole(epoch.members, ends_early(epoch.in_trees(), epoch.members, True), epoch.trees)
             delivery = deliver(fleet, again, source, result)
             reform = record(fleet, again, delivery, result)
             result.repaired = sorted(e.url for e in repair if e.url in result.server_versions)
@@ -163,10 +194,12 @@ def announce(fleet: Fleet, version: int, plan: BucketPlan, source: BucketSource,
     skipped = [e.url for e in epoch.members if e not in to]
     if skipped:
         log.warning("version %d is not in shared memory: %s keep their version until the next one", version, skipped)
-    requests = {e.url: shared if shared is not None and e.url in epoch.shared else request for e in to}
+    most = fleet.config.deadlines.collective_s
+    requests, reach = relayed_requests(request, to, epoch.trees, most)
+    requests.update({e.url: shared for e in to if shared is not None and e.url in epoch.shared})
     return Announcement(version, plan, request, requests, to, VersionFrames.of(request), sizes,
                         tuple(pace.deadline_s(b.nbytes) for b in plan.buckets),
-                        ends_early(epoch.in_trees(), to, fleet.kind.relayed))
+                        ends_early(epoch.in_trees(), to, fleet.kind.relayed), epoch.trees, reach, most)
 
 
 def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, result: SyncResult) -> Delivery:
@@ -176,7 +209,7 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
     its cause here (``abandon``)."""
     control, to = fleet.control, announcement.to
     phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early,
-                    announcement.digested)
+                    announcement.reach, announcement.digested)
     posted = {e.url: control.submit(phases.begin_and_update(e, announcement.requests[e.url])) for e in to}
     try:
         broken, digests = data_path(fleet, announcement, source, result, posted)
@@ -273,16 +306,38 @@ def record(fleet: Fleet, announcement: Announcement, delivery: Delivery, result:
         else:
             book.refused(url, version, str(err))
     unpublished = {u for u, r in failures.items() if u not in unreachable and NOT_PUBLISHED in str(r)}
-    for url, below in forgers(fleet.epochs.current.trees, served, unpublished).items():
+    for url, below in forgers(announcement.trees, served, unpublished).items():
         book.distrusted(url, version, f"{below}, below it, received bytes of version {version} that are {NOT_PUBLISHED}")
         unreachable.append(url)
-    for url, ratio in fleet.epochs.relays.demote_slow(fleet.epochs.current.trees, delivery.received).items():
-        why = f"its hop of version {version} took {ratio:.1f}x the median of the others"
-        fleet.metrics.event("demoted", url, version, why)
-        log.warning("%s moves to a leaf of the relay: %s", url, why)
+    judge_relays(fleet, announcement, delivery, set(served) - set(unreachable),
+                 set(failures) - set(unreachable) - unpublished)
     if delivery.broken is not None or unreachable:
         return [e for e in announcement.to if e.url not in unreachable]
     return None
+
+
+def judge_relays(fleet: Fleet, announcement: Announcement, delivery: Delivery, took: set[str], refused: set[str]) -> None:
+    """What a relayed version says of its relaying servers: one whose hop held the servers below it
+    moves to a leaf (``Relays.demote_slow``), and so does one that refuses the plan's layout (it
+    would refuse every version, and the servers below it would miss every one); an edge whose upper
+    server ``took`` the version while its lower one answered that it did not (``refused``, for a
+    reason other than its layout: a hop failed, lost or corrupted it) is blamed (``Epochs.blame``):
+    its two servers are never an edge again. A server that gave no answer is evicted, and blames no
+    one."""
+    version, relays, refusing = announcement.version, fleet.epochs.relays, set(fleet.book.refusing())
+    demoted = {url: f"its hop of version {version} took {ratio:.1f}x the median of the others"
+               for url, ratio in relays.demote_slow(announcement.trees, delivery.received).items()}
+    interior = {u for tree in announcement.trees for u in tree.order if tree.below(u)}
+    demoted.update({url: "it refuses every version of this plan (its layout): the servers below it would miss each one"
+                    for url in sorted(refusing & interior) if relays.demote(url)})
+    for url, why in demoted.items():
+        fleet.metrics.event("demoted", url, version, why)
+        log.warning("%s moves to a leaf of the relay: %s", url, why)
+    edges = failed_edges(announcement.trees, refused - refusing, took)
+    if edges:
+        answers = {**delivery.updated, **delivery.ended}
+        fleet.epochs.blame(edges, version, f"version {version} did not cross its relay edge",
+                           {lower: answers.get(lower) for _, lower in edges})
 
 
 def to_send_again(fleet: Fleet, announcement: Announcement, reform: list[EngineClient] | None,

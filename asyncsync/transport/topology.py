@@ -18,9 +18,9 @@ only the tree's root (and the servers that cannot relay), and every edge below i
 whose rendezvous store the trainer runs (``RelayStores``), since it cannot pick free ports elsewhere.
 
     layout = GroupLayout.of(config, engines, world_sizes, runtime, sources)
+    stores = layout.relay_stores()            # rank 0, before any server is asked: the relay edges' stores
     # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
-    groups = layout.join(rank)                # rank 0 of this trainer rank's groups, once all joined
-                                              # (rank 0 first runs the relay edges' stores)
+    groups = layout.join(rank, stores)        # rank 0 of this trainer rank's groups, once all joined
     works = groups.broadcast_async(bucket, header=frames.header(i, bucket))  # into every group (the header:
     groups.wait(works)                                                       # only where the protocol is framed)
     groups.broadcast_checksums(crcs, frames=frames)  # only to the groups whose protocol expects them
@@ -29,7 +29,7 @@ whose rendezvous store the trainer runs (``RelayStores``), since it cannot pick 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -39,10 +39,10 @@ from torch.distributed import TCPStore
 from asyncsync.config import WeightSyncConfig
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
-from asyncsync.protocol.group import DataPlaneGroup, free_port, resolve_backend
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port, resolve_backend
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import DataPlaneProtocol, EngineClient
-from asyncsync.transport.relay import RelayTree
+from asyncsync.transport.relay import RelayTree, tree_order
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,15 @@ class GroupLayout:
 
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
-           runtime: Runtime, sources: int = 1, buckets: int = 1, seniority: Sequence[str] = ()) -> GroupLayout:
+           runtime: Runtime, sources: int = 1, buckets: int = 1, seniority: Sequence[str] = (),
+           apart: Collection[frozenset[str]] = (), direct: Collection[str] = ()) -> GroupLayout:
         """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
         backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise). ``sources``: how many
         trainer ranks send buckets; ``buckets``: how many a version has (``fanout: auto`` plans by it);
         ``seniority``: servers in the order the relay tree takes them, the others after them (in config
-        order): a server that comes back after an eviction joins as a leaf, not above the others."""
+        order): a server that comes back after an eviction joins as a leaf, not above the others;
+        ``apart``: pairs of servers whose edge failed, never an edge again; ``direct``: servers kept in
+        the trainer's own group (``transport.relay.Relays``)."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
@@ -79,7 +82,7 @@ class GroupLayout:
         groups, members, port_index = [], {}, 0
         trees, relay = [], {}
         for protocol, servers in by_protocol.items():
-            tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets, seniority)
+            tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets, (seniority, apart, direct))
             if tree is not None:
                 trees.append(tree)
                 below = {u for u in tree.order if u != tree.root}
@@ -115,10 +118,16 @@ class GroupLayout:
         """The groups trainer rank ``trainer_rank`` is rank 0 of."""
         return [(protocol, specs[trainer_rank]) for protocol, specs in self.groups if trainer_rank < len(specs)]
 
-    def join(self, trainer_rank: int = 0) -> TrainerGroups:
+    def relay_stores(self) -> RelayStores | None:
+        """The relay edges' rendezvous stores, run by trainer rank 0 for the epoch's life (None: no
+        edge); made before any server is asked to join, so a store that cannot listen
+        (``DataPlaneError``) fails the epoch before anyone waits for it."""
+        return RelayStores(self.edges) if self.edges else None
+
+    def join(self, trainer_rank: int = 0, stores: RelayStores | None = None) -> TrainerGroups:
         """Join this trainer rank's groups as their rank 0; each returns once all of its servers' ranks
-        joined. Rank 0 first runs the relay edges' stores, which live as long as its groups."""
-        stores = RelayStores(self.edges) if trainer_rank == 0 else None
+        joined. ``stores`` (rank 0's ``relay_stores``) live as long as the groups, and are closed
+        if they do not form."""
         try:
             groups = join_groups(self.specs_for(trainer_rank), self.runtime)
         except BaseException:
@@ -130,28 +139,43 @@ class GroupLayout:
 
 
 def _plan_tree(config: WeightSyncConfig, protocol: DataPlaneProtocol, servers: Sequence[EngineClient],
-               world_sizes: Mapping[str, int], sources: int, buckets: int, seniority: Sequence[str]) -> RelayTree | None:
+               world_sizes: Mapping[str, int], sources: int, buckets: int,
+               ordering: tuple[Sequence[str], Collection[frozenset[str]], Collection[str]]) -> RelayTree | None:
     """The relay tree over ``servers`` that can relay (``protocol.relay``, one data-plane rank each),
-    or None: ``fanout: direct``, a trainer that sends from several ranks, fewer than two such servers."""
+    ordered by ``ordering`` (seniority, pairs kept apart, servers kept direct: ``relay.tree_order``),
+    or None: ``fanout: direct``, a trainer that sends from several ranks, fewer than two such servers.
+    A server the order leaves out stays in the trainer's group."""
     if config.fanout == "direct" or sources > 1 or not protocol.relay:
         return None
-    rank = {url: i for i, url in enumerate(seniority)}
-    relaying = sorted((e.url for e in servers if world_sizes[e.url] == 1), key=lambda u: rank.get(u, len(rank)))
-    if len(relaying) < 2:
-        return None
+    seniority, apart, direct = ordering
+    relaying = [e.url for e in servers if world_sizes[e.url] == 1 and e.url not in direct]
     fanout = RelayTree.auto_fanout(len(relaying), buckets) if config.fanout == "auto" else int(config.fanout)
-    return RelayTree.plan(relaying, fanout)
+    order, _ = tree_order(relaying, fanout, seniority, apart)
+    if len(order) < 2:
+        return None
+    return RelayTree.plan(order, fanout)
 
 
 class RelayStores:
     """The rendezvous stores of an epoch's relay edges, run by the trainer (the servers join them as
-    clients, the upper server as its edge's rank 0); closed with the epoch's groups."""
+    clients, the upper server as its edge's rank 0); closed with the epoch's groups.
+
+    A store that cannot listen is the epoch's failure, not a raw exception: torch raises
+    ``DistNetworkError`` (its port taken meanwhile: EADDRINUSE; the trainer out of file descriptors:
+    EMFILE), made here a ``DataPlaneError`` naming the edge, which ``transport.epochs`` handles as
+    any failed rendezvous (a taken port: once more, on fresh ports). The stores made before it are
+    closed."""
 
     def __init__(self, edges: Sequence[GroupSpec]):
         self._stores: list[TCPStore] = []
         for spec in edges:
-            self._stores.append(TCPStore(spec.host, spec.port, spec.world_size, True,
-                                         timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False))
+            try:
+                self._stores.append(TCPStore(spec.host, spec.port, spec.world_size, True,
+                                             timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False))
+            except Exception as e:  # torch raises DistNetworkError, RuntimeError or OSError
+                self.close()
+                raise DataPlaneError(f"the rendezvous store of relay edge {spec.group_name} could not listen on "
+                                     f"{spec.host}:{spec.port}: {e}") from None
 
     def close(self) -> None:
         self._stores = []  # a TCPStore's server stops with its last reference

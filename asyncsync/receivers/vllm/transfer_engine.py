@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from asyncsync.protocol.arena import Arena, HostArena, Staging, vllm_staging
-from asyncsync.protocol.background import BackgroundReceive
+from asyncsync.protocol.background import BackgroundReceive, finish_window_s
 from asyncsync.protocol.device import runtime_for
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
@@ -71,9 +71,10 @@ from asyncsync.receivers.vllm.node import NodeStaging
 
 log = logging.getLogger(__name__)
 
-# How long finish_weight_update waits for a version received in the background. The trainer calls it
-# after its last broadcast, so only the verification of the last bucket is normally left; the engine
-# generates nothing meanwhile.
+# How long finish_weight_update waits for a version received in the background, beyond the relay hops
+# above this server (``protocol.background.finish_window_s``). The trainer calls it after its last
+# broadcast, so only the verification of the last bucket is normally left (and for a relayed server
+# the hops the last bucket still makes); the engine generates nothing meanwhile.
 FINISH_WAIT_S = 10.0
 
 
@@ -256,9 +257,11 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
-                self._led(lambda: self.adapters.write(pending, self._published(self.background.take(FINISH_WAIT_S))))
+                window = finish_window_s(pending.update, FINISH_WAIT_S)
+                self._led(lambda: self.adapters.write(pending, self._published(self.background.take(window))))
             else:
-                self._load(self._staged(pending, lambda: self._published(self.background.take(FINISH_WAIT_S))))
+                window = finish_window_s(pending, FINISH_WAIT_S)
+                self._load(self._staged(pending, lambda: self._published(self.background.take(window))))
         finally:
             self.digests = ()
             self.background.released()  # the arena may be received into once the load has read it

@@ -53,20 +53,23 @@ class CorruptNextDelta:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.armed = False
-        self._corrupted: dict[tuple[int, int], Delta] = {}
+        # Keyed by the source's id, so the source is held too: a later version's source could
+        # otherwise reuse a collected one's id and be sent the corrupted delta again.
+        self._corrupted: dict[tuple[int, int], tuple[Prepacked, Delta]] = {}
         original = Prepacked.delta
 
         def delta(source: Prepacked, bucket: Bucket) -> Delta | None:
             found = original(source, bucket)
             key = (id(source), bucket.index)
             if key in self._corrupted:
-                return self._corrupted[key]
+                return self._corrupted[key][1]
             payload = found.payload() if found is not None else None
             if self.armed and found is not None and payload is not None and payload.numel() > 512:
                 self.armed = False
                 bad = payload.clone()
                 bad[bad.numel() // 2] ^= 0x5A
-                self._corrupted[key] = found = Delta(bad, found.changed)
+                found = Delta(bad, found.changed)
+                self._corrupted[key] = (source, found)
             return found
 
         monkeypatch.setattr(Prepacked, "delta", delta)

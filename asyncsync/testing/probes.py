@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from asyncsync.protocol import sglang
+from asyncsync.protocol.digest import DIGEST_CHARS
 from asyncsync.protocol.lora import (
     LORA_ROOT, PEFT_PREFIX, AdapterCheck, AdapterUpdate, AdapterVersion, BaseCheck, tensor_crc,
 )
@@ -35,8 +36,8 @@ from asyncsync.protocol.schema import Message
 from asyncsync.protocol.shm import ALIGN, HostIdentity, aligned_offsets
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import (
-    SESSION_HEADER, BucketMeta, ClaimRequest, GroupSpec, InitGroupRequest, LayoutCheck, SharedVersion, UpdateRequest,
-    VersionRequest,
+    SESSION_HEADER, BucketMeta, ClaimRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, SharedVersion,
+    UpdateRequest, VersionRequest,
 )
 from asyncsync.receivers.reference.routes import served
 from asyncsync.testing.mutations import ABSURD, HOSTILE, field_mutations, numeric_places, places, random_json, with_replaced
@@ -167,7 +168,8 @@ class Context:
         return {
             UpdateRequest: UpdateRequest(9, metas, True, (0.5,) * len(metas), shm=shm),
             InitGroupRequest: InitGroupRequest(GroupSpec("127.0.0.1", self.silent_port, 2, "fuzz", "gloo", 0.3), 1),
-            VersionRequest: VersionRequest(9), ClaimRequest: ClaimRequest(OWNER), LayoutCheck: LayoutCheck(plan.specs),
+            VersionRequest: VersionRequest(9), EndRequest: EndRequest(9, ("0" * DIGEST_CHARS,) * len(metas)),
+            ClaimRequest: ClaimRequest(OWNER), LayoutCheck: LayoutCheck(plan.specs),
             sglang.InitWeightsUpdateGroup: sglang.InitWeightsUpdateGroup("127.0.0.1", self.refused_port, 1, 2, "fz", "gloo"),
             sglang.DestroyWeightsUpdateGroup: sglang.DestroyWeightsUpdateGroup("fz"),
             sglang.UpdateWeightsFromDistributed: sglang.UpdateWeightsFromDistributed.of(metas[0], "fz", True, "9"),

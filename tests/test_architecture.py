@@ -407,9 +407,10 @@ def test_no_module_outside_the_server_book_writes_a_servers_state():
     book.baselines()["http://a"] = 9
     assert book.record("http://a") == record
     public = {n for n in vars(ServerBook) if not n.startswith("_")}
-    reads = {"record", "versions", "baselines", "refusing", "evicted", "shared", "ranks", "leased", "lease_from"}
+    reads = {"record", "versions", "baselines", "refusing", "evicted", "shared", "ranks", "leased", "lease_from",
+             "owing_check"}
     transitions = {"claimed", "reported", "took", "wrote", "loaded", "refused", "missed", "unreachable", "expelled",
-                   "take_expelled", "rejoined"}
+                   "take_expelled", "rejoined", "verified"}
     assert public == reads | transitions, "every public method of the book is a read or a named transition"
 
 

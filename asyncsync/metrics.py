@@ -105,13 +105,13 @@ class SyncMetrics:
                                    "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
                                 ["server"], registry=r)
-        self._p_diverged = Counter("asyncsync_divergences", "Checks (verify: logprobs) a server failed", ["server"],
+        self._p_diverged = Counter("asyncsync_divergences", "Checks (verify) a server failed", ["server"],
                                    registry=r)
         self._p_unchecked = Counter("asyncsync_unchecked", "Checks (verify) a server was asked for and could not be "
                                     "compared in: it cannot score, its answer failed, or had another length than the "
                                     "probe, or it switched versions meanwhile", ["server"], registry=r)
         self._p_logprob = Gauge("asyncsync_logprob_max_diff", "Largest |trainer - server| log-probability at each "
-                                "server's last check (verify: logprobs)", ["server"], registry=r)
+                                "server's last check (verify)", ["server"], registry=r)
         self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
                                ["server"], registry=r)
 
@@ -127,7 +127,7 @@ class SyncMetrics:
         self._p_events.labels(kind).inc()
 
     def checked(self, server: str, max_diff: float, diverged: bool) -> None:
-        """A ``verify: logprobs`` check of ``server``: its largest difference, and whether it diverged."""
+        """A served check (``verify``) of ``server``: its largest difference, and whether it diverged."""
         with self._lock:
             self.checks[server] = (max_diff, diverged)
         self._p_logprob.labels(server).set(max_diff)

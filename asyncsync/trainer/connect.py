@@ -203,12 +203,14 @@ class Connecting:
         """The served check. In one trainer process it is also due while a server owes it (the books'
         ``owing_check``), and blocking it scores after the apply (``late``); a sharded trainer's ranks
         cannot all read rank 0's books, so there it is due by version numbers only."""
-        single = self.ranks.world == 1
-        fleets = self.fleets
-        owing = (lambda: any(f.book.owing_check() for f in fleets)) if single else None
+        single, fleets = self.ranks.world == 1, self.fleets
+
+        def owing(since: int) -> bool:  # a server owes a check and took a version after ``since``
+            return any(v > since for f in fleets for v in f.book.versions(f.book.owing_check()).values())
+
         late = single and not self.config.async_weight_update
         try:
-            return ServedCheck.of(self.config, model, self.metrics, report, owing, late)
+            return ServedCheck.of(self.config, model, self.metrics, report, owing if single else None, late)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

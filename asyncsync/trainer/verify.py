@@ -21,11 +21,12 @@ and silently off otherwise; ``logprobs`` is on and refuses a model that cannot b
 When a check is due: with ``logprobs`` at connect (the servers must serve the trainer's weights then),
 with ``auto`` not (servers often start from other weights) but at the first version published; then
 at the first version published ``verify_every`` versions after the last check; and, in one trainer
-process, at the next version while a server owes a check (the book's ``owes_check``: it joined or was
-readmitted and was not asked since). Blocking, in one process, the trainer's forward runs after the
-apply, on publish's thread (the module holds the version until publish returns), so a server is
-checked at the very version it (re)joined with; async, the forward runs in ``publish`` (the module
-holds the version only then), so a server readmitted by the sender is checked at the next version. A
+process, whenever a server owes a check (the book's ``owes_check``: it joined or was readmitted and
+was not asked since). Blocking, in one process, the trainer's forward runs after the apply, on
+publish's thread (the module holds the version until publish returns), so a server is checked at the
+very version it (re)joined with; async, the forward runs in ``publish`` (the module holds the version
+only then), so a server the sender readmitted is checked at the next version published (one that
+serves the last due version is asked at that one: its check may still be on its way). A
 sharded trainer's ranks all run the forward in ``publish``, like a collective (FSDP2 needs it), so
 there which versions are due depends only on their numbers (rank 0's book is not theirs): a
 readmitted server waits for the next scheduled check there. A due version that a server did not take,
@@ -123,12 +124,15 @@ class ServedCheck:
     server's answer is judged by its ``Verdicts``."""
 
     def __init__(self, tokens: list[int], every: int, verdicts: Verdicts, at_connect: bool = True,
-                 strict: bool = True, owing: Callable[[], bool] | None = None, late: bool = False):
+                 strict: bool = True, owing: Callable[[int], bool] | None = None, late: bool = False):
         self.tokens, self.every, self.verdicts = tokens, every, verdicts
         self.at_connect, self.strict = at_connect, strict  # verify: logprobs; auto: neither
-        self.owing = owing  # one trainer process: whether a server owes a check (the books), else None
+        # One trainer process: whether a server owes a check and serves a version newer than the one
+        # given (the books); None on a sharded trainer, whose other ranks cannot read rank 0's books.
+        self.owing = owing
         self.late = late  # blocking, one process: the forward runs in ``run``, on publish's thread
         self.next_due = 0 if at_connect else 1  # the first version whose scores are taken (0: at connect)
+        self.last_due = 0  # the last version whose scores were taken
         self.off: str | None = None  # auto: why the trainer's own forward failed (the check stops)
         self._expected: dict[int, list[float]] = {}  # the last due versions' scores (each sender checks them)
         self._held: tuple[torch.nn.Module, int] | None = None  # late: the module and the version it holds
@@ -137,7 +141,7 @@ class ServedCheck:
 
     @classmethod
     def of(cls, config: WeightSyncConfig, model: Any, metrics: SyncMetrics, report: Callable[[str], None],
-           owing: Callable[[], bool] | None = None, late: bool = False) -> ServedCheck | None:
+           owing: Callable[[int], bool] | None = None, late: bool = False) -> ServedCheck | None:
         """None with ``verify: off``, and with ``auto`` where the trainer cannot score (``unscorable``)
         or versions are adapters (``lora: adapter``); ``ValueError`` with ``logprobs`` where it cannot."""
         strict = config.verify == "logprobs"
@@ -166,8 +170,8 @@ class ServedCheck:
             if self._held is None:
                 self._mapping(version)
             return
-        if version >= self.next_due or (self.owing is not None and self.owing()):
-            self._score(model, version)
+        if version >= self.next_due or (self.owing is not None and self.owing(self.last_due)):
+            self._score(model, version)  # (a server that serves the last due version is asked at it)
 
     def run(self, fleet: Fleet, version: int, served: dict[str, int]) -> dict[str, float]:
         """Rank 0, once ``version`` is live on ``served`` (server -> the version it serves: the version
@@ -217,7 +221,7 @@ class ServedCheck:
             return
         finally:
             _reshard(model)
-        self.next_due = version + self.every
+        self.next_due, self.last_due = version + self.every, version
         if any(math.isnan(x) for x in expected):
             log.warning("verify: the trainer's own log-probabilities of the probe are NaN at version %d: not checked "
                         "(the servers are not compared with a model that computes NaN)", version)

@@ -235,9 +235,10 @@ class WeightSyncConfig(Setting):
         "by each engine's own LoRA API")] = "merged"
     lora_name: Annotated[str, Check(_ADAPTER_NAME.match, "{got}: expected 1-56 letters, digits, '.', '_' or '-' "
                                                          "(versions are served as <lora_name>-v<N>)")] = "policy"
-    verify: Annotated[Literal["off", "logprobs"], Why(
-        "logprobs: at connect and every verify_every versions each server scores a probe the trainer scores too; "
-        "off: bytes only")] = "off"
+    verify: Annotated[Literal["auto", "logprobs", "off"], Why(
+        "auto: each server scores a probe the trainer scores too, after the first version it takes and every "
+        "verify_every versions, where the trainer can score (a causal LM module), else off; logprobs: also at "
+        "connect, and a model that cannot be scored is refused; off: bytes only")] = "auto"
     verify_every: Annotated[int, Between(1, None, "expected a whole number of versions >= 1, got {got}")] = 10
     verify_tolerance: Annotated[float | None, Positive(sys.float_info.max, (
         "expected a positive number (nats of log-probability), or null for the weights' dtype's default, got "
@@ -249,9 +250,9 @@ class WeightSyncConfig(Setting):
         """The pairs of settings that cannot work together."""
         if self.lora == "adapter" and self.layout != "checkpoint":
             raise ConfigError("lora: adapter sends the base in the checkpoint layout engines load: keep layout: checkpoint")
-        if self.verify != "off" and self.lora == "adapter":
+        if self.verify == "logprobs" and self.lora == "adapter":
             raise ConfigError("verify: logprobs checks the weights a server serves; with lora: adapter each version is an "
-                              "adapter the engine loads under its own name: use verify: off")
+                              "adapter the engine loads under its own name: use verify: auto (off with adapters) or off")
         if self.group_per_server and not self.async_weight_update:
             raise ConfigError("group_per_server: needs async_weight_update: true (a blocking publish waits for every server anyway)")
         if self.fanout != "direct" and self.group_per_server:

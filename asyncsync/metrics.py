@@ -82,6 +82,7 @@ class SyncMetrics:
         # per worker), as its engine client knows it; servers whose client cannot tell are not listed.
         self.receiver_staging_bytes: dict[str, int] = {}
         self.checks: dict[str, tuple[float, bool]] = {}  # server -> (largest logprob difference, diverged) at its last check
+        self.unchecked: dict[str, int] = {}  # server -> checks it was asked for and could not be compared in
         self.last: SyncResult | None = None
         self.history: deque[SyncResult] = deque(maxlen=1024)  # recent syncs, oldest first
         self.events: deque[SyncEvent] = deque(maxlen=1024)    # recent faults, oldest first
@@ -104,10 +105,13 @@ class SyncMetrics:
                                    "allocates at once per version", registry=r)
         self._p_staging = Gauge("asyncsync_receiver_staging_bytes", "Bytes each server holds to receive versions",
                                 ["server"], registry=r)
-        self._p_diverged = Counter("asyncsync_divergences", "Checks (verify: logprobs) a server failed", ["server"],
+        self._p_diverged = Counter("asyncsync_divergences", "Checks (verify) a server failed", ["server"],
                                    registry=r)
+        self._p_unchecked = Counter("asyncsync_unchecked", "Checks (verify) a server was asked for and could not be "
+                                    "compared in: it cannot score, its answer failed, or had another length than the "
+                                    "probe, or it switched versions meanwhile", ["server"], registry=r)
         self._p_logprob = Gauge("asyncsync_logprob_max_diff", "Largest |trainer - server| log-probability at each "
-                                "server's last check (verify: logprobs)", ["server"], registry=r)
+                                "server's last check (verify)", ["server"], registry=r)
         self._p_switch = Gauge("asyncsync_server_switch_seconds", "How long each server held generation for the last switch",
                                ["server"], registry=r)
 
@@ -123,12 +127,18 @@ class SyncMetrics:
         self._p_events.labels(kind).inc()
 
     def checked(self, server: str, max_diff: float, diverged: bool) -> None:
-        """A ``verify: logprobs`` check of ``server``: its largest difference, and whether it diverged."""
+        """A served check (``verify``) of ``server``: its largest difference, and whether it diverged."""
         with self._lock:
             self.checks[server] = (max_diff, diverged)
         self._p_logprob.labels(server).set(max_diff)
         if diverged:
             self._p_diverged.labels(server).inc()
+
+    def could_not_check(self, server: str) -> None:
+        """A check of ``server`` that could not compare its scores (``trainer/verify.py`` says why in its log)."""
+        with self._lock:
+            self.unchecked[server] = self.unchecked.get(server, 0) + 1
+        self._p_unchecked.labels(server).inc()
 
     def stalled(self, seconds: float) -> None:
         with self._lock:
@@ -175,6 +185,7 @@ class SyncMetrics:
                 "baseline_bytes": self.footprint.baseline,
                 "receiver_staging_bytes": dict(self.receiver_staging_bytes), "last": last,
                 "checks": {u: {"max_diff": d, "diverged": x} for u, (d, x) in self.checks.items()},
+                "unchecked": dict(self.unchecked),
                 "events": [asdict(e) for e in self.events],
             }
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,14 +129,32 @@ def generate(
 @torch.no_grad()
 def score(model: torch.nn.Module, tokens: list[int]) -> list[float]:
     """The log-probability of each of ``tokens[1:]`` given the tokens before it, in float64: one forward
-    of the model (a transformers causal LM; a sharded one called on every rank, as its forward needs).
-    What ``verify: logprobs`` compares between the trainer and its servers."""
+    of the model (a transformers causal LM; a sharded one called on every rank, as its forward needs),
+    in eval mode and without gradients, whatever mode the caller holds it in (``evaluating``): what an
+    engine computes, deterministic where training mode is not (dropout, PhiMoE's sampled routing).
+    What the served check (``verify``) compares between the trainer and its servers."""
     device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([tokens], dtype=torch.long, device=device)).logits
+    with evaluating(model):
+        logits = model(input_ids=torch.tensor([tokens], dtype=torch.long, device=device)).logits
     if hasattr(logits, "full_tensor"):  # a DTensor (a tensor-parallel head)
         logits = logits.full_tensor()
     logprobs = torch.log_softmax(logits[0, :-1].double(), dim=-1)
     return logprobs.gather(1, torch.tensor(tokens[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, and every one of its modules back in the mode it was in after
+    (each flag as it was: a trainer may hold some modules in eval mode, frozen, and the rest training).
+    Only the modes change, on this rank alone (no collective: a sharded module's ranks each call it)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(modes[0][1])  # through train(), as the caller set it (a module's own train() runs)
+        for module, training in modes:  # then the flags that were otherwise
+            module.training = training
 
 
 def cache_argument(model: torch.nn.Module) -> str:

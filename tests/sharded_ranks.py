@@ -117,6 +117,7 @@ def train_and_sync(rank: int, urls: list[str], trainer: Trainer, first: int, ver
             trainer.step()
             full = trainer.full()
             result = sync.publish(trainer.model, v)
+            assert all(m.training for m in trainer.model.modules()), "the probe's eval mode is undone (verify)"
             if result is not None:
                 assert result.failures == {}, result.failures
                 assert set(result.server_versions.values()) == {v}, result.server_versions
@@ -155,6 +156,7 @@ def sparse_deltas(rank: int, urls: list[str], trainer: Trainer, first: int, vers
             nudge(trainer.model, v)
             full = trainer.full()
             result = sync.publish(trainer.model, v)
+            assert all(m.training for m in trainer.model.modules()), "the probe's eval mode is undone (verify)"
             if result is not None:
                 assert result.failures == {} and set(result.server_versions.values()) == {v}, result
                 if rank == 0:

@@ -408,9 +408,9 @@ def test_no_module_outside_the_server_book_writes_a_servers_state():
     assert book.record("http://a") == record
     public = {n for n in vars(ServerBook) if not n.startswith("_")}
     reads = {"record", "versions", "baselines", "refusing", "evicted", "evicted_since", "shared", "ranks", "leased",
-             "lease_from"}
+             "lease_from", "owing_check"}
     transitions = {"claimed", "reported", "took", "wrote", "loaded", "refused", "missed", "unreachable", "distrusted",
-                   "probed", "expelled", "take_expelled", "rejoined"}
+                   "probed", "expelled", "take_expelled", "rejoined", "verified"}
     assert public == reads | transitions, "every public method of the book is a read or a named transition"
 
 

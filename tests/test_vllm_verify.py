@@ -87,3 +87,28 @@ def test_the_check_reports_a_server_whose_fix_was_taken_out(unfixed: str, tmp_pa
             assert [(e.server, e.version) for e in diverged] == [(server.url, 1)], sync.events
             assert sync.metrics.checks[server.url][0] > 0.1, sync.metrics.checks
             print(f"\n{family} without {unfixed}: {sync.metrics.checks[server.url][0]:.3g} nats apart")
+
+
+def test_the_default_config_reports_a_family_vllm_computes_otherwise(tmp_path: Path):
+    """DeepSeek-V2, which stock vLLM computes otherwise than transformers even from the checkpoint on
+    disk (no asyncsync involved: ``test_vllm_models.py``'s sweep shows it), with the default config:
+    nothing at connect (servers may start from other weights than the trainer's), reported once the
+    first version is live, naming the largest difference and the token where it is."""
+    pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
+    save("deepseek_v2", tmp_path / "model")
+    trainer = load(tmp_path / "model")
+    # vLLM picks its AMX MLA kernels where the CPU has AMX, and they refuse float32 weights at load
+    # ("expect weight to be bfloat16, float16, ..."): its reference CPU MLA takes them on any CPU
+    with VllmServer(tmp_path / "model", tmp_path / "vllm.log", args=("--attention-backend", "CPU_MLA")) as server:
+        server.wait_healthy()
+        with WeightSync.from_config(config(server.url)) as sync:  # verify: auto, verify_every: 10
+            sync.connect(trainer)
+            assert sync.errors == [] and sync.metrics.checks == {}, "nothing at connect"
+            perturb(trainer.parameters(), 1)
+            assert sync.publish(trainer, 1).server_versions == {server.url: 1}
+            diverged = [e for e in sync.events if e.kind == "diverged"]
+            assert [(e.server, e.version) for e in diverged] == [(server.url, 1)], sync.events
+            assert len(sync.errors) == 1 and "nats apart" in sync.errors[0], sync.errors
+            assert "the largest at probe position" in sync.errors[0] and "token id" in sync.errors[0]
+            assert sync.metrics.checks[server.url][0] > 1.0, sync.metrics.checks
+            print(f"\n{sync.errors[0]}")

@@ -6,7 +6,8 @@
     plan      rank 0: the buckets and each one's owner rank, checked against every server's layout
               (and, with ``lora: adapter``, the adapter judged and the base sent where it is not served)
     buffers   this rank's ring or snapshots (``trainer/allocate.py``); async mode: the worker
-    check     ``verify: logprobs``: the probe expected, and scored by every server at version 0
+    check     ``verify``: the served check (``trainer/verify.py``); with ``logprobs`` the probe scored by
+              the trainer and every server at connect (version 0), with ``auto`` first after a version
 
 A step that fails closes everything the steps before it opened (an ``ExitStack``), and rank 0 tells
 the other ranks why, so each raises too; nothing is left open.
@@ -116,7 +117,7 @@ class Connecting:
         publisher, pool = self._publisher(role, ready.plan, named, ready.owners, ready.delta, kept, reader)
         connection = Connection(ranks, self.runtime, self.packer, reader, kept, ready.plan, role, publisher, check,
                                 pool, self.base)
-        if check is not None:
+        if check is not None and check.at_connect:
             check.expect(model, 0)
             for f in self.fleets:
                 check.run(f, 0, f.member_versions())
@@ -199,8 +200,17 @@ class Connecting:
         return loads
 
     def _check(self, model: Weights, report: Any) -> ServedCheck | None:
+        """The served check. In one trainer process it is also due while a server owes it (the books'
+        ``owing_check``), and blocking it scores after the apply (``late``); a sharded trainer's ranks
+        cannot all read rank 0's books, so there it is due by version numbers only."""
+        single, fleets = self.ranks.world == 1, self.fleets
+
+        def owing(since: int) -> bool:  # a server owes a check and took a version after ``since``
+            return any(v > since for f in fleets for v in f.book.versions(f.book.owing_check()).values())
+
+        late = single and not self.config.async_weight_update
         try:
-            return ServedCheck.of(self.config, model, self.metrics, report)
+            return ServedCheck.of(self.config, model, self.metrics, report, owing if single else None, late)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -18,6 +18,7 @@ module writes a server's state (``tests/test_architecture.py`` checks that)::
                                         # another ``readmit_interval_s``
     book.expelled(url, why)             # evict it when the next version starts (``verify``'s divergence)
     book.rejoined(url, epoch)           # an evicted server is in an epoch's groups again
+    book.verified(url)                  # the served check asked it (``verify``): it owes none until evicted
 
 Readers get values (``record``, ``versions``, ``baselines``...), never the records' dict. The book is
 shared by the sender's thread, the control loop (adapter loads) and the trainer (``server_versions``),
@@ -56,7 +57,9 @@ class ServerRecord:
     ``shared``: it maps versions from the trainer's shared memory; ``ranks``: its data-plane ranks;
     ``lease``: the shared-memory segments it still maps; ``evicted``: why it is out of the groups, and
     ``evicted_at`` since when (``time.monotonic``: its eviction, or the last probe it failed);
-    ``expelled``: why it is to be evicted when the next version starts."""
+    ``expelled``: why it is to be evicted when the next version starts; ``owes_check``: the served
+    check (``trainer/verify.py``) has not asked it since it joined (at connect, or readmitted after an
+    eviction: it may serve from other state than when it was last asked), so it is due for it."""
 
     url: str
     version: int = 0
@@ -68,6 +71,7 @@ class ServerRecord:
     evicted: str | None = None
     evicted_at: float = 0.0
     expelled: str | None = None
+    owes_check: bool = True
 
 
 class ServerBook:
@@ -122,6 +126,12 @@ class ServerBook:
         with self._lock:
             return {u: r.ranks for u, r in self._records.items() if r.ranks is not None}
 
+    def owing_check(self) -> frozenset[str]:
+        """The servers in the groups (not evicted, not refusing this plan) that owe the served check."""
+        with self._lock:
+            return frozenset(u for u, r in self._records.items()
+                             if r.owes_check and r.evicted is None and r.refusing is None)
+
     def leased(self) -> frozenset[str]:
         """Every shared-memory segment some server still maps."""
         with self._lock:
@@ -163,12 +173,12 @@ class ServerBook:
     def unreachable(self, url: str, why: str, reading: str | None = None) -> None:
         """It gave no answer (dead, hung past a deadline, never claimed, or a readmission probe): evicted,
         from now (``evicted_at``: it is not called again before ``readmit_interval_s``). It may come back
-        restarted, so its next version is whole; it loses its lease, and the segments it held or was
-        ``reading`` are retired, never rewritten under it."""
+        restarted, so its next version is whole and the served check is due for it again; it loses its
+        lease, and the segments it held or was ``reading`` are retired, never rewritten under it."""
         with self._lock:
             record = self._records[url]
             self._records[url] = replace(record, baseline=None, lease=frozenset(), evicted=why,
-                                         evicted_at=time.monotonic(), expelled=None)
+                                         evicted_at=time.monotonic(), expelled=None, owes_check=True)
         if self._pool is not None:
             self._pool.retire(record.lease | ({reading} if reading else set()))
         if record.evicted is None:
@@ -206,6 +216,11 @@ class ServerBook:
             self._records[url] = replace(record, evicted=None)
         if record.evicted is not None:
             self.metrics.event("rejoined", url, None, f"epoch {epoch}")
+
+    def verified(self, url: str) -> None:
+        """The served check asked it (it compared its scores, or it cannot score): it owes no check
+        until it is evicted; later checks come on the check's own schedule (``verify_every``)."""
+        self._set(url, owes_check=False)
 
     def _set(self, url: str, **changes: object) -> None:
         with self._lock:

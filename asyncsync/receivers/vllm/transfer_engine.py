@@ -67,7 +67,8 @@ from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import DiscardRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
-from asyncsync.receivers.vllm.node import NodeStaging
+from asyncsync.receivers.vllm.guard import PauseGuard
+from asyncsync.receivers.vllm.node import NodeStaging, engine_group
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # ``host``: the engine's workers share one copy; only the stager receives (``node``).
         self.node = NodeStaging(self.parallel_config) if self.staging == "host" else None
         self.receives = self.node is None or self.node.stager
+        # The engine's first worker resumes a pause whose trainer died or hangs (``guard.py``).
+        group = self.node.group if self.node is not None else engine_group(self.parallel_config)
+        self.rank_in_engine = group.rank_in_group if group is not None else 0
+        self.guard = PauseGuard()
         # The staging arena is made here, when vLLM creates the engine, before vLLM sizes its KV cache
         # (docs/engines/vllm.md, "Memory"), and touched, so no version pays for its pages.
         nbytes = sum(spec.nbytes for spec in self.checkpoint.specs.values())
@@ -137,10 +142,16 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         """Join the trainer's groups: every worker as its own rank (``device``), or the engine's stager as
         the engine's one rank (``host``: ``rank_offset + data-parallel index``); a relay's edges are
-        for an engine of one data-plane rank (the trainer plans no relay through any other)."""
+        for an engine of one data-plane rank (the trainer plans no relay through any other). The
+        engine's first worker also tells its pause guard which trainer to watch (``guard.py``)."""
+        with self.guard.rpc():
+            if self.rank_in_engine == 0:
+                self.guard.joined(init_info.group, init_info.server_url)
+            if self.receives:
+                self._join(init_info)
+
+    def _join(self, init_info: InitGroupRequest) -> None:
         pc = self.parallel_config
-        if not self.receives:
-            return
         if self.node is None:
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         else:
@@ -148,7 +159,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.background.join(init_info.groups, rank, init_info.relay)  # drops a version of the old groups, which cannot complete
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reload is opened only once a version is verified."""
+        """Nothing to prepare (the reload is opened only once a version is verified); a trainer's version
+        begins, so the pause guard watches for a pause that trainer might leave behind."""
+        with self.guard.rpc(start=True):
+            pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
         """One handler per message the trainer's client carries in ``update_info``: a version (``in_rpc``:
@@ -156,7 +170,8 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         adapter version, a ``DiscardRequest`` (drop a background version), and the checks made at the
         trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse."""
         request = self.parse_update_info(update_info)
-        self._handlers[type(request)](request)
+        with self.guard.rpc():
+            self._handlers[type(request)](request)
 
     def _check_layout(self, check: LayoutCheck) -> None:
         self.stager.admission.check_layout(check)
@@ -250,9 +265,12 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
         version is written as a PEFT directory instead. Raises what the receive raised (a refused
         version); nothing is pending afterwards either way."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
+        with self.guard.rpc(finish=True):
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                self._finish(pending)
+
+    def _finish(self, pending: UpdateRequest | AdapterUpdate) -> None:
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
@@ -288,6 +306,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
                  time.perf_counter() - start)
 
     def shutdown(self) -> None:
+        self.guard.close()
         self.background.close()
         self.adapters.close()
 

@@ -66,6 +66,8 @@ from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import DiscardRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
+from asyncsync.receivers.vllm.agreement import EngineAgreement
+from asyncsync.receivers.vllm.faults import WorkerFaults
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
 from asyncsync.receivers.vllm.guard import PauseGuard
 from asyncsync.receivers.vllm.node import NodeStaging, engine_group
@@ -98,10 +100,13 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # ``host``: the engine's workers share one copy; only the stager receives (``node``).
         self.node = NodeStaging(self.parallel_config) if self.staging == "host" else None
         self.receives = self.node is None or self.node.stager
-        # The engine's first worker resumes a pause whose trainer died or hangs (``guard.py``).
+        # Every worker of the engine loads a version or none does (``agreement.py``); the engine's first
+        # worker resumes a pause whose trainer died or hangs (``guard.py``).
         group = self.node.group if self.node is not None else engine_group(self.parallel_config)
+        self.agreement = EngineAgreement(group)
         self.rank_in_engine = group.rank_in_group if group is not None else 0
         self.guard = PauseGuard()
+        self.faults = WorkerFaults.from_env(self.rank_in_engine)
         # The staging arena is made here, when vLLM creates the engine, before vLLM sizes its KV cache
         # (docs/engines/vllm.md, "Memory"), and touched, so no version pays for its pages.
         nbytes = sum(spec.nbytes for spec in self.checkpoint.specs.values())
@@ -205,7 +210,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             self._led(lambda: self.background.start(request, self.version))  # raises VersionRejected if one is in flight
             self.pending = request
             return
-        self._load(self._staged(request, lambda: self.receive_weights(request)))
+        self._load_whole(request.version, lambda: self._staged(request, lambda: self.receive_weights(request)))
         torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
 
     def receive_weights(self, update_info: UpdateRequest) -> StagedVersion:  # type: ignore[override]
@@ -276,7 +281,8 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
                 self.adapters.pending = None
                 self._led(lambda: self.adapters.write(pending, self._published(self.background.take(FINISH_WAIT_S))))
             else:
-                self._load(self._staged(pending, lambda: self._published(self.background.take(FINISH_WAIT_S))))
+                self._load_whole(pending.version, lambda: self._staged(
+                    pending, lambda: self._published(self.background.take(FINISH_WAIT_S))))
         finally:
             self.digests = ()
             self.background.released()  # the arena may be received into once the load has read it
@@ -291,19 +297,27 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
         self.finish_weight_update()
 
-    def _load(self, staged: StagedVersion) -> None:
+    def _load_whole(self, version: int, stage: Callable[[], StagedVersion]) -> None:
+        """Stage ``version`` and load it on every worker of the engine, or on none: each step's outcome
+        is agreed with the other workers before any reports success (``agreement.py``). A load that
+        failed on any worker leaves the engine mixed: refused naming it, the engine core serving
+        nothing (``hold.py``) until a whole version loads on every worker."""
         start = time.perf_counter()
-        initialize_layerwise_reload(self.model)
-        try:
-            loaded = self.model.load_weights(staged.tensors())
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
-        self.fixes.repair(loaded)
-        self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
+        staged = self.agreement.ready(version, stage)
+        self.agreement.loaded(version, lambda: self._load(staged))
         self.version = staged.version
         self.stager.buffers.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
+
+    def _load(self, staged: StagedVersion) -> None:
+        initialize_layerwise_reload(self.model)
+        try:
+            loaded = self.model.load_weights(self.faults.loading(staged.version, staged.tensors()))
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+        self.fixes.repair(loaded)
+        self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
 
     def shutdown(self) -> None:
         self.guard.close()

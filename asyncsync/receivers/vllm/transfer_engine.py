@@ -33,8 +33,12 @@ returns; if ``finish`` raises (a refused version) the mark stays, and the next `
 session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the background
 that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it aborts.
 
-Contract: a version this engine reports loaded is served by every module, each with the processing
-derived from that version's weights; a version that cannot be is refused before the model is touched.
+Contract: a version this engine reports loaded is served by every module of every worker, each with
+the processing derived from that version's weights; a version that cannot be is refused before the
+model is touched, on every worker. A load that fails on any worker after it began (``load_weights``
+or a post-load fix raising) is refused naming the mixed state, and the engine answers every request
+with an error until a whole version loads on every worker (``agreement.py``, ``hold.py``). The
+engine's first worker also resumes a pause whose trainer died or hangs (``guard.py``).
 
 ``lora: adapter`` (``receivers/vllm/adapters.py``): an ``AdapterUpdate`` is received and verified
 the same way (in the RPC or in the background), then written as a PEFT directory instead of loaded:

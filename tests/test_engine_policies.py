@@ -102,11 +102,13 @@ async def test_background_receive_pauses_only_around_the_load():
 
 
 async def test_in_rpc_receive_pauses_from_begin_to_end():
+    """The session opens before the pause: the worker's pause guard watches every pause a trainer
+    makes (``receivers/vllm/guard.py``), so none is left behind by a trainer that dies."""
     fake = FakeVllm()
     version, engine = await sync_once(fake, receive="in_rpc")
     assert version == 3
     assert fake.calls == [
-        "POST /pause?mode=wait&clear_cache=false", "POST /start_weight_update", "POST /update_weights",
+        "POST /start_weight_update", "POST /pause?mode=wait&clear_cache=false", "POST /update_weights",
         "POST /finish_weight_update", RESET, "POST /resume", "GET /weight_info",
     ]
     assert "receive" not in fake.bodies["/update_weights"][0]["update_info"]

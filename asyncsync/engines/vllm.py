@@ -16,9 +16,13 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
     POST /resume
     GET  /weight_info                              {"weight_version": "7"}: the live version
 
-With ``receive: in_rpc`` the pause comes first (before ``/start_weight_update``) and
+With ``receive: in_rpc`` the pause comes right after ``/start_weight_update`` and
 ``/update_weights`` is answered once the version is received, verified and loaded: vLLM generates
-nothing for the whole transfer. A failed version is undone by ``abort``: a ``DiscardRequest`` in
+nothing for the whole transfer. Whatever the mode, a trainer that dies or hangs with the engine
+paused does not keep it paused: the worker's pause guard (``receivers/vllm/guard.py``) resumes it
+within seconds, and a version whose load failed on some workers is refused naming the mixed state
+(``receivers/vllm/agreement.py``) while vLLM answers every request with an error until the next
+version loads whole (``receivers/vllm/hold.py``). A failed version is undone by ``abort``: a ``DiscardRequest`` in
 ``/update_weights`` (a version received in the background is dropped, never loaded), then
 ``/finish_weight_update`` without a version, which ends vLLM's update session even after a
 ``finish`` that raised (vLLM's worker then keeps the session open), then ``/resume``.
@@ -107,14 +111,18 @@ class VllmEngine(EngineClient):
         return workers // per_engine
 
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
-        await self.http.post("/init_weight_transfer_engine",
-                             {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay).to_json()})
+        """The worker joins the groups; the URL this client uses goes with them, for the worker's pause
+        guard (``receivers/vllm/guard.py``: it resumes a pause this trainer leaves behind if it dies)."""
+        init = InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay, server_url=self.url)
+        await self.http.post("/init_weight_transfer_engine", {"init_info": init.to_json()})
 
     async def begin(self, version: int) -> None:
+        """Open the update session, then (``in_rpc``) pause: the worker sees the session before any
+        pause, so a pause this trainer leaves behind is always one its guard watches."""
         self.last_switch_s, self._held_s = None, 0.0
+        await self._start(version)
         if self.server.pause and not self.receives_in_background:
             await self._pause()  # the update RPC holds the engine for the whole transfer anyway
-        await self._start(version)
 
     async def begin_adapter(self, version: int) -> None:
         await self._start(version)

@@ -81,8 +81,9 @@ class VllmServer:
         self.model_dir, self.log_path = model_dir, log_path
         logging_config = log_path.with_name(log_path.name + ".logging.json")
         logging_config.write_text(json.dumps(LOGGING_CONFIG))
+        # ASYNCSYNC_VLLM_URL: where the workers' pause guard reaches this API server (receivers/vllm/guard.py).
         environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                   "VLLM_LOGGING_CONFIG_PATH": str(logging_config), **(env or {})}
+                   "VLLM_LOGGING_CONFIG_PATH": str(logging_config), "ASYNCSYNC_VLLM_URL": self.url, **(env or {})}
         cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",

@@ -45,6 +45,7 @@ MAX_CHECKED_TENSORS = 1_000_000  # a LayoutCheck's tensors (the largest MoE chec
 MAX_NAME_CHARS = 256         # a tensor name ("model.layers.61.mlp.experts.255.down_proj.weight" is 49)
 MAX_GROUP_NAME_CHARS = 256
 MAX_HOST_CHARS = 255         # a DNS name at most
+MAX_URL_CHARS = 2048
 MAX_DTYPE_CHARS = 32
 MAX_BOOT_ID_CHARS = 64       # a boot id is a UUID (36 characters)
 MAX_ERROR_CHARS = 600        # the most of any error message a receiver answers with
@@ -67,6 +68,11 @@ def short(message: str) -> str:
 
 
 HOST_RULE = "expected a host name or address, got {got}"
+URL_RULE = "expected an http:// or https:// URL, got {got}"
+
+
+def _http_url(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
 
 
 def _resolvable(host: str) -> bool:
@@ -343,7 +349,11 @@ class InitGroupRequest(Message):
     ``relay`` (``fanout`` other than ``direct``): one two-rank group per server this one forwards to,
     in which it is rank 0 and the server below it rank 1. Their rendezvous stores are the trainer's
     (a trainer cannot pick a free port on another host), so this server joins them as a client. A
-    relaying server forwards every payload it receives, frame header first, as it lands."""
+    relaying server forwards every payload it receives, frame header first, as it lands.
+
+    ``server_url``: the URL this trainer reaches the server at, where the server needs its own API
+    (vLLM's pause guard resumes an engine whose trainer died while it was paused:
+    ``receivers/vllm/guard.py``); receivers that need none ignore it."""
 
     WHERE = "init_group"
     group: GroupSpec
@@ -353,6 +363,7 @@ class InitGroupRequest(Message):
     protocol: Annotated[int, IfAbsent(1)] = PROTOCOL_VERSION
     relay: Annotated[tuple[GroupSpec, ...], OMIT,
                      Items(0, MAX_RELAY_EDGES, f"at most {MAX_RELAY_EDGES} servers below one, got {{n}}")] = ()
+    server_url: Annotated[str | None, OMIT, Text(MAX_URL_CHARS, URL_RULE, spaces=False), Check(_http_url, URL_RULE)] = None
 
     @property
     def groups(self) -> tuple[GroupSpec, ...]:

@@ -19,14 +19,16 @@ from asyncsync.protocol.arena import VLLM_BACKENDS as BACKENDS
 
 def register() -> None:
     """Register asyncsync's backends once per process (vLLM refuses a second registration), keep a
-    refused version to one log line (``quiet``), and have vLLM read every worker's reply to a failed
-    RPC (``replies``: with tensor parallelism vLLM 0.32 would read them as the next RPC's)."""
+    refused version to one log line (``quiet``), have vLLM read every worker's reply to a failed
+    RPC (``replies``: with tensor parallelism vLLM 0.32 would read them as the next RPC's), and have
+    an engine whose workers hold different weights answer every request with an error (``hold``)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from asyncsync.receivers.vllm import quiet, replies
+    from asyncsync.receivers.vllm import hold, quiet, replies
 
     quiet.install()
     replies.install()
+    hold.install()
     for name in BACKENDS:  # each name selects a staging (``protocol.arena.vllm_staging``)
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(

@@ -57,7 +57,10 @@ class NodeStaging:
                 f"asyncsync: staging 'host' keeps one copy of a version per node, but this engine's workers span "
                 f"{parallel_config.nnodes_within_dp} nodes: use --weight-transfer-config "
                 "'{\"backend\": \"asyncsync-device\"}' (a copy on every worker's device)")
-        self.group = _engine_group(parallel_config)
+        self.group = engine_group(parallel_config)
+        if self.group is None:
+            raise RuntimeError("asyncsync: staging 'host' needs vLLM's group of each engine's workers, which this "
+                               "vLLM did not make: use --weight-transfer-config '{\"backend\": \"asyncsync-device\"}'")
         self.stager = self.group.rank_in_group == 0
         self._arena: tuple[str, Arena] | None = None  # a peer's mapping of the stager's arena
 
@@ -73,7 +76,9 @@ class NodeStaging:
 
     def led(self, step: Any, arena: HostArena | None) -> Any:
         """On the stager: run ``step()`` and share its report (re-raising its error). On a peer: wait
-        for the stager's and raise its error, or return None. Every worker calls this at the same point."""
+        for the stager's and raise its error, or return None. Every worker calls this at the same point,
+        and the stager shares whatever ``step`` raised (a ``KeyboardInterrupt`` too), so no peer ever
+        waits out vLLM's CPU-group timeout."""
         if not self.stager:
             self.share(None).raise_if_failed()
             return None
@@ -82,7 +87,7 @@ class NodeStaging:
         except (VersionRejected, DataPlaneError) as e:
             self.share(StagerReport(str(e), isinstance(e, DataPlaneError)))
             raise
-        except Exception as e:
+        except BaseException as e:
             self.share(StagerReport(f"the stager failed: {type(e).__name__}: {e}"))
             raise
         self.share(StagerReport(arena=arena.path if arena is not None else None))
@@ -108,16 +113,14 @@ class NodeStaging:
         return self._arena[1]
 
 
-def _engine_group(parallel_config: Any) -> Any:
+def engine_group(parallel_config: Any) -> Any:
     """vLLM's group of this engine's workers (its tensor- and pipeline-parallel ranks, not the other
     data-parallel engines'): the inner data-parallel world where vLLM made one, else the world of
-    an engine that is the only one."""
+    an engine that is the only one; None where neither is (several engines, and a platform whose
+    worker made no inner group: vLLM's CPU worker)."""
     from vllm.distributed.parallel_state import get_inner_dp_world_group, get_world_group
 
     try:
         return get_inner_dp_world_group()
     except AssertionError:  # not made by every platform's worker (vLLM's CPU worker)
-        if parallel_config.data_parallel_size > 1:
-            raise RuntimeError("asyncsync: staging 'host' needs vLLM's group of each engine's workers, which this "
-                               "vLLM did not make: use --weight-transfer-config '{\"backend\": \"asyncsync-device\"}'") from None
-        return get_world_group()
+        return None if parallel_config.data_parallel_size > 1 else get_world_group()

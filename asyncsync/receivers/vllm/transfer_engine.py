@@ -33,8 +33,12 @@ returns; if ``finish`` raises (a refused version) the mark stays, and the next `
 session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the background
 that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it aborts.
 
-Contract: a version this engine reports loaded is served by every module, each with the processing
-derived from that version's weights; a version that cannot be is refused before the model is touched.
+Contract: a version this engine reports loaded is served by every module of every worker, each with
+the processing derived from that version's weights; a version that cannot be is refused before the
+model is touched, on every worker. A load that fails on any worker after it began (``load_weights``
+or a post-load fix raising) is refused naming the mixed state, and the engine answers every request
+with an error until a whole version loads on every worker (``agreement.py``, ``hold.py``). The
+engine's first worker also resumes a pause whose trainer died or hangs (``guard.py``).
 
 ``lora: adapter`` (``receivers/vllm/adapters.py``): an ``AdapterUpdate`` is received and verified
 the same way (in the RPC or in the background), then written as a PEFT directory instead of loaded:
@@ -66,8 +70,11 @@ from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import DiscardRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
+from asyncsync.receivers.vllm.agreement import EngineAgreement
+from asyncsync.receivers.vllm.faults import WorkerFaults
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
-from asyncsync.receivers.vllm.node import NodeStaging
+from asyncsync.receivers.vllm.guard import PauseGuard
+from asyncsync.receivers.vllm.node import NodeStaging, engine_group
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,13 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # ``host``: the engine's workers share one copy; only the stager receives (``node``).
         self.node = NodeStaging(self.parallel_config) if self.staging == "host" else None
         self.receives = self.node is None or self.node.stager
+        # Every worker of the engine loads a version or none does (``agreement.py``); the engine's first
+        # worker resumes a pause whose trainer died or hangs (``guard.py``).
+        group = self.node.group if self.node is not None else engine_group(self.parallel_config)
+        self.agreement = EngineAgreement(group)
+        self.rank_in_engine = group.rank_in_group if group is not None else 0
+        self.guard = PauseGuard()
+        self.faults = WorkerFaults.from_env(self.rank_in_engine)
         # The staging arena is made here, when vLLM creates the engine, before vLLM sizes its KV cache
         # (docs/engines/vllm.md, "Memory"), and touched, so no version pays for its pages.
         nbytes = sum(spec.nbytes for spec in self.checkpoint.specs.values())
@@ -138,10 +152,16 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def init_transfer_engine(self, init_info: InitGroupRequest) -> None:  # type: ignore[override]
         """Join the trainer's groups: every worker as its own rank (``device``), or the engine's stager as
         the engine's one rank (``host``: ``rank_offset + data-parallel index``); a relay's edges are
-        for an engine of one data-plane rank (the trainer plans no relay through any other)."""
+        for an engine of one data-plane rank (the trainer plans no relay through any other). The
+        engine's first worker also tells its pause guard which trainer to watch (``guard.py``)."""
+        with self.guard.rpc():
+            if self.rank_in_engine == 0:
+                self.guard.joined(init_info.group, init_info.server_url)
+            if self.receives:
+                self._join(init_info)
+
+    def _join(self, init_info: InitGroupRequest) -> None:
         pc = self.parallel_config
-        if not self.receives:
-            return
         if self.node is None:
             rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         else:
@@ -149,7 +169,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.background.join(init_info.groups, rank, init_info.relay)  # drops a version of the old groups, which cannot complete
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reload is opened only once a version is verified."""
+        """Nothing to prepare (the reload is opened only once a version is verified); a trainer's version
+        begins, so the pause guard watches for a pause that trainer might leave behind."""
+        with self.guard.rpc(start=True):
+            pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
         """One handler per message the trainer's client carries in ``update_info``: a version (``in_rpc``:
@@ -157,7 +180,8 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         adapter version, a ``DiscardRequest`` (drop a background version), and the checks made at the
         trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse."""
         request = self.parse_update_info(update_info)
-        self._handlers[type(request)](request)
+        with self.guard.rpc():
+            self._handlers[type(request)](request)
 
     def _check_layout(self, check: LayoutCheck) -> None:
         self.stager.admission.check_layout(check)
@@ -191,7 +215,7 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
             self._led(lambda: self.background.start(request, self.version))  # raises VersionRejected if one is in flight
             self.pending = request
             return
-        self._load(self._staged(request, lambda: self.receive_weights(request)))
+        self._load_whole(request.version, lambda: self._staged(request, lambda: self.receive_weights(request)))
         torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
 
     def receive_weights(self, update_info: UpdateRequest) -> StagedVersion:  # type: ignore[override]
@@ -251,9 +275,12 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
         version is written as a PEFT directory instead. Raises what the receive raised (a refused
         version); nothing is pending afterwards either way."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
+        with self.guard.rpc(finish=True):
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                self._finish(pending)
+
+    def _finish(self, pending: UpdateRequest | AdapterUpdate) -> None:
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
@@ -261,7 +288,8 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
                 self._led(lambda: self.adapters.write(pending, self._published(self.background.take(window))))
             else:
                 window = finish_window_s(pending, FINISH_WAIT_S)
-                self._load(self._staged(pending, lambda: self._published(self.background.take(window))))
+                self._load_whole(pending.version, lambda: self._staged(
+                    pending, lambda: self._published(self.background.take(window))))
         finally:
             self.digests = ()
             self.background.released()  # the arena may be received into once the load has read it
@@ -276,21 +304,30 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
         self.finish_weight_update()
 
-    def _load(self, staged: StagedVersion) -> None:
+    def _load_whole(self, version: int, stage: Callable[[], StagedVersion]) -> None:
+        """Stage ``version`` and load it on every worker of the engine, or on none: each step's outcome
+        is agreed with the other workers before any reports success (``agreement.py``). A load that
+        failed on any worker leaves the engine mixed: refused naming it, the engine core serving
+        nothing (``hold.py``) until a whole version loads on every worker."""
         start = time.perf_counter()
-        initialize_layerwise_reload(self.model)
-        try:
-            loaded = self.model.load_weights(staged.tensors())
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
-        self.fixes.repair(loaded)
-        self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
+        staged = self.agreement.ready(version, stage)
+        self.agreement.loaded(version, lambda: self._load(staged))
         self.version = staged.version
         self.stager.buffers.mark_committed(staged)  # the arena holds this version's bytes: the next delta's baseline
         log.info("loaded version %d (%d buckets) in %.3fs", staged.version, len(staged.buckets),
                  time.perf_counter() - start)
 
+    def _load(self, staged: StagedVersion) -> None:
+        initialize_layerwise_reload(self.model)
+        try:
+            loaded = self.model.load_weights(self.faults.loading(staged.version, staged.tensors()))
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+        self.fixes.repair(loaded)
+        self.stager.runtime.return_freed()  # the reload's per-layer temporaries, not kept by the heap
+
     def shutdown(self) -> None:
+        self.guard.close()
         self.background.close()
         self.adapters.close()
 

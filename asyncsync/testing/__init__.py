@@ -18,6 +18,7 @@ from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.frames import FrameHeader
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.specs import BucketPlan
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference.app import Faults
@@ -53,7 +54,7 @@ class RogueTrainer:
     def __init__(self, url: str, token: str | None = None, session: str | None = None, timeout_s: float = 10.0,
                  vllm: bool = False):
         self.url, self.token, self.session, self.vllm = url, token, session, vllm
-        self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"rogue{free_port()}", "gloo", timeout_s)
+        self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"rogue{free_port()}", "gloo", timeout_s, key=new_key())
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(self.init_group, InitGroupRequest(self.spec, 1).to_json())
             group = DataPlaneGroup.join(self.spec, 0, HostRuntime())

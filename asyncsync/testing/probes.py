@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from asyncsync.protocol import sglang
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.lora import (
     LORA_ROOT, PEFT_PREFIX, AdapterCheck, AdapterUpdate, AdapterVersion, BaseCheck, tensor_crc,
 )
@@ -166,7 +167,8 @@ class Context:
         shm = SharedVersion(self.segment, offsets, tuple(range(len(metas))), host)
         return {
             UpdateRequest: UpdateRequest(9, metas, True, (0.5,) * len(metas), shm=shm),
-            InitGroupRequest: InitGroupRequest(GroupSpec("127.0.0.1", self.silent_port, 2, "fuzz", "gloo", 0.3), 1),
+            InitGroupRequest: InitGroupRequest(GroupSpec("127.0.0.1", self.silent_port, 2, "fuzz", "gloo", 0.3,
+                                                         key=new_key()), 1),
             VersionRequest: VersionRequest(9), ClaimRequest: ClaimRequest(OWNER), LayoutCheck: LayoutCheck(plan.specs),
             sglang.InitWeightsUpdateGroup: sglang.InitWeightsUpdateGroup("127.0.0.1", self.refused_port, 1, 2, "fz", "gloo"),
             sglang.DestroyWeightsUpdateGroup: sglang.DestroyWeightsUpdateGroup("fz"),

@@ -1,10 +1,13 @@
 """A relaying receiver's part: every payload of a version it receives, on to the servers below it.
 
 With ``fanout`` other than ``direct`` the trainer plans a tree over its servers (``transport.relay``).
-Each tree edge is a two-rank data-plane group, the upper server its rank 0. A server with servers
-below it forwards each payload (a bucket, its delta, then the checksum manifest) into every edge as
-soon as the payload has landed, frame header first, exactly as the trainer sent it, while the next
-payload is still arriving: a version crosses each link once, pipelined per bucket.
+Each tree edge has two ranks, the upper server its rank 0: for host weights an authenticated TCP
+stream the server below reads with bounded, checked reads (``protocol.stream``: no upper end can
+make it abort), for CUDA weights a two-rank NCCL group (written, never run here: no GPU). A server
+with servers below it forwards each payload (a bucket, its delta, then the checksum manifest) into
+every edge as soon as the payload has landed, frame header first (sealed for that edge, as the
+trainer sealed it for its group), while the next payload is still arriving: a version crosses each
+link once, pipelined per bucket.
 
 Nothing is forwarded before it arrived whole (a wait returns only once the bytes are in the buffer),
 and nothing is judged on the way: each server below verifies every bucket itself against the
@@ -21,19 +24,24 @@ never fails the version of the server above: the trainer hears of the loss from 
     edges.wait_forwards()     # before the buffers are received into again: every forward done or
                               # failed (a failed edge is closed and dropped)
     edges.close(broken)       # leaving the epoch; after a failure the servers below hear it is lost
+                              # (a stream's end is the news itself; an NCCL edge gets a LOST header)
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import VersionFrames
-from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.stream import StreamEdge, join_member
 from asyncsync.protocol.wire import GroupSpec
+
+Edge = DataPlaneGroup | StreamEdge
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +56,24 @@ class Forward:
     is reused at once, a device ring's slot). The payloads' buffers must stay untouched until
     ``finish`` returns."""
 
-    def __init__(self, edges: Sequence[DataPlaneGroup], frames: VersionFrames, runtime: Runtime,
+    def __init__(self, edges: Sequence[Edge], frames: VersionFrames, runtime: Runtime,
                  in_flight: int | None = None):
         self.edges = list(edges)
         self.frames, self.runtime, self.in_flight = frames, runtime, in_flight
-        self._pending: list[list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]] = []
+        self._pending: list[list[tuple[Edge, Any, Any, torch.Tensor]]] = []
 
     def send(self, index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
-        """Forward payload ``index`` (landed whole) into every edge still up, after its frame header."""
+        """Forward payload ``index`` (landed whole) into every edge still up, after its frame header
+        (sealed for each edge)."""
         if not self.edges:
             return
-        header = self.runtime.upload(self.frames.header(index, payload).tensor())
+        header = self.frames.header(index, payload)
         sent = []
         for edge in list(self.edges):
+            sealed = self.runtime.upload(edge.seal.tensor(header))
             try:
-                sent.append((edge, edge.broadcast_async(header, deadline_s), edge.broadcast_async(payload, deadline_s),
-                             header))
+                sent.append((edge, edge.broadcast_async(sealed, deadline_s), edge.broadcast_async(payload, deadline_s),
+                             sealed))
             except DataPlaneError as e:
                 self._drop(edge, e)
         self._pending.append(sent)
@@ -77,22 +87,30 @@ class Forward:
 
     def abandon(self, lost: bool) -> None:
         """Close every edge and let go of every forward in flight. ``lost``: this server's receive
-        failed, so each server below is first sent a frame header that says so
-        (``VersionFrames.lost``), after the forwards already in flight: it refuses the version at
-        once and does the same below it. (A gloo receive fails at once when its peer dies, but not
-        when the peer only aborts its group, whose connections stay open while anything holds it:
-        without that header the servers below would wait out their deadlines.)"""
-        header = self.runtime.upload(self.frames.lost().tensor()) if lost else None
+        failed, so each server below must hear the version is lost at once and do the same below it.
+        A stream's end is that news (the read below fails the moment it is shut). An NCCL edge is
+        first sent a frame header that says so (``VersionFrames.lost``), after the forwards already
+        in flight, on every edge at once and waited for together, at most ``LOST_S``: a group's
+        receive does not fail when its peer only aborts the group, whose connections stay open
+        while anything holds it, and the servers below would wait out their deadlines."""
+        told = []
+        header = self.frames.lost() if lost else None
         for edge in self.edges:
-            if header is not None:
+            if header is not None and isinstance(edge, DataPlaneGroup):
                 try:
-                    edge.wait(edge.broadcast_async(header, LOST_S))
+                    told.append((edge, edge.broadcast_async(self.runtime.upload(edge.seal.tensor(header)), LOST_S)))
                 except DataPlaneError as e:  # that server is gone already
                     log.debug("relay edge %s: %s", edge.spec.group_name, e)
+        for edge, work in told:
+            try:
+                edge.wait(work)
+            except DataPlaneError as e:
+                log.debug("relay edge %s: %s", edge.spec.group_name, e)
+        for edge in self.edges:
             edge.close(broken=True)
         self.edges, self._pending = [], []
 
-    def _wait_for(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
+    def _wait_for(self, sent: list[tuple[Edge, Any, Any, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
             if edge not in self.edges:
                 continue
@@ -102,7 +120,7 @@ class Forward:
             except DataPlaneError as e:
                 self._drop(edge, e)
 
-    def _drop(self, edge: DataPlaneGroup, error: Exception) -> None:
+    def _drop(self, edge: Edge, error: Exception) -> None:
         """The server below is lost for this epoch; this server's own version goes on."""
         self.edges.remove(edge)
         edge.close(broken=True)
@@ -116,14 +134,14 @@ class Edges:
     version's ``Forward`` goes over the edges still up, and is waited for before the next one."""
 
     def __init__(self) -> None:
-        self.groups: list[DataPlaneGroup] = []
+        self.groups: list[Edge] = []
         self._last: Forward | None = None  # kept once done: a failure before the next version's frames uses it
 
     def join(self, specs: Sequence[GroupSpec], runtime: Runtime, warmup: bool = True,
              abandoner: Abandoner | None = None) -> None:
-        """Join each edge as its rank 0; the trainer runs their rendezvous stores."""
+        """Join each edge as its rank 0; their rendezvous is in the trainer's store."""
         for spec in specs:
-            self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+            self.groups.append(join_member(spec, 0, runtime, warmup, abandoner, hosts_store=False))
 
     def forward(self, frames: VersionFrames, runtime: Runtime, in_flight: int | None = None) -> Forward:
         """The next version's forwarding (call ``wait_forwards`` first)."""

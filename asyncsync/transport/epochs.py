@@ -1,8 +1,10 @@
 """Epochs: the data-plane groups over the servers of a book, formed again whenever the servers change.
 
-An epoch (``Epoch``, a value) is one set of data-plane groups over one set of servers (group name
-``<group_name>.<token>.<epoch>``, ``token`` the random part of the trainer session, so that a
-restarted trainer never reuses a name a server still holds; fresh ports after the first epoch).
+An epoch (``Epoch``, a value) is one set of data-plane groups over one set of servers (group names
+``<group_name>.<epoch>.<random>``: no answer shows them and a restarted trainer never reuses one a
+server still holds; each group's key is drawn with it: ``transport.topology.GroupLayout``). Every
+epoch meets in the session's one rendezvous store (``RendezvousStore``, made at the first form,
+closed by ``close``), each group in its own namespace.
 ``Epochs.form`` makes one in four steps::
 
     claim    ask each candidate its data-plane ranks and whose shared memory it sees, and claim it
@@ -41,7 +43,7 @@ from asyncsync.transport.book import ServerBook
 from asyncsync.transport.commands import Formed, NewEpoch
 from asyncsync.transport.kinds import VersionKind
 from asyncsync.transport.relay import Relays, RelayTree
-from asyncsync.transport.topology import GroupLayout, TrainerGroups
+from asyncsync.transport.topology import GroupLayout, RendezvousStore, TrainerGroups
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +77,11 @@ class Epochs:
     """The epochs of one sender's servers (the module doc); ``current`` is the one versions go to."""
 
     def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: Sequence[EngineClient],
-                 book: ServerBook, runtime: Runtime, ranks: TrainerRanks, kind: VersionKind, session: str,
+                 book: ServerBook, runtime: Runtime, ranks: TrainerRanks, kind: VersionKind,
                  sources: int = 1, buckets: int = 1):
         self.config, self.control, self.engines, self.book = config, control, tuple(engines), book
-        self.token = session.rsplit(":", 1)[-1]  # the random part of the trainer session: names its groups
         self.runtime, self.ranks, self.kind, self.sources, self.buckets = runtime, ranks, kind, sources, buckets
+        self.store: RendezvousStore | None = None  # the session's rendezvous store, from the first form on
         self.current = Epoch()
         self.relays = Relays()  # the servers' order in every relay tree, across epochs
         self.conflicts: dict[str, str] = {}  # of the last form: servers another trainer session owns
@@ -101,7 +103,6 @@ class Epochs:
         self.conflicts = {}
         alive = self._claim(list(candidates), refuse_unsupported, takeover)
         shared = self.book.shared()
-        retried = False
         formed = Epoch(self.current.number)
         while alive:
             number = formed.number + 1
@@ -111,8 +112,14 @@ class Epochs:
                 formed = Epoch(number, tuple(alive), frozenset(e.url for e in alive))
                 log.info("epoch %d: %d server(s) on shared memory, no data-plane group", number, len(alive))
                 break
-            layout = self._layout(number, wired)
-            group, answers, port_taken = self._join(layout, wired)
+            try:
+                layout = self._layout(number, wired)
+            except DataPlaneError as e:  # the store cannot listen (its port taken, out of file descriptors)
+                for server in wired:
+                    self.book.unreachable(server.url, f"the trainer's data plane cannot form: {e}")
+                alive = [server for server in alive if server.url in shared]
+                continue
+            group, answers = self._join(layout, wired)
             still = self._drop_unreachable(wired, answers)
             if self._agree(group is not None, len(still) == len(wired)):
                 assert group is not None
@@ -127,9 +134,6 @@ class Epochs:
             if group is not None:
                 group.close(broken=True)
             if len(still) == len(wired):  # everyone answered yet the group did not form
-                if port_taken and not retried:  # the free port was taken meanwhile: once more, on another
-                    retried = True
-                    continue
                 for e in wired:
                     self.book.unreachable(e.url, f"could not form the data-plane group: {answers[e.url]!r}")
                 still = []
@@ -156,30 +160,27 @@ class Epochs:
         return self._drop_unreachable(alive, claims)
 
     def _layout(self, number: int, wired: list[EngineClient]) -> GroupLayout:
+        """Epoch ``number``'s groups over ``wired``, in the session's store (made now if it is not yet:
+        ``DataPlaneError`` when it cannot listen)."""
         cfg = self.config
-        # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
-        epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.token}.{number}",
-                                master_port=cfg.master_port if number == 1 else 0)
+        if self.store is None:
+            self.store = RendezvousStore(cfg.master_addr, cfg.master_port, cfg.deadlines.rendezvous_s)
         self.relays.forget(self.book.evicted())  # an evicted server comes back as a leaf
-        return GroupLayout.of(epoch_cfg, wired, self.book.ranks(), self.runtime, self.sources, self.buckets,
-                              self.relays.seniority)
+        return GroupLayout.of(cfg.replace(group_name=f"{cfg.group_name}.{number}"), wired, self.book.ranks(),
+                              self.runtime, self.sources, self.buckets, self.relays.seniority, port=self.store.port)
 
-    def _join(self, layout: GroupLayout, wired: list[DataPlaneMember]
-              ) -> tuple[TrainerGroups | None, dict[str, Any], bool]:
+    def _join(self, layout: GroupLayout, wired: list[DataPlaneMember]) -> tuple[TrainerGroups | None, dict[str, Any]]:
         """Every server joins concurrently while this rank joins as rank 0 (the other trainer ranks
-        join theirs); the trainer's groups (None: they did not form), every server's answer, and
-        whether the trainer's port was taken meanwhile."""
+        join theirs); the trainer's groups (None: they did not form) and every server's answer."""
         cfg = self.config
         self.ranks.from_leader(NewEpoch([layout.specs_for(r) for r in range(self.ranks.world)]))
         joined = self.control.submit(gather(wired, lambda e: e.init_group(*layout.membership(e))))
         group: TrainerGroups | None = None
-        port_taken = False
         try:
-            group = layout.join()  # returns once every server's ranks joined
+            group = layout.join(store=self.store)  # returns once every server's ranks joined
         except DataPlaneError as e:
             log.warning("epoch forming failed: %s", e)
-            port_taken = "EADDRINUSE" in str(e)
-        return group, joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s), port_taken
+        return group, joined.result(cfg.deadlines.rendezvous_s + cfg.deadlines.http_s)
 
     def _agree(self, formed_here: bool, every_server: bool) -> bool:
         """Whether every trainer rank formed its groups and every server joined; every rank is told."""
@@ -289,3 +290,10 @@ class Epochs:
         if self.current.group is not None:
             self.current.group.close(broken)
         self.current = replace(self.current, group=None, trees=())
+
+    def close(self) -> None:
+        """Abandon the current epoch and stop the session's rendezvous store."""
+        self.drop()
+        if self.store is not None:
+            self.store.close()
+            self.store = None

@@ -10,15 +10,19 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
                                                           verifies in the background, vLLM keeps generating
     POST /pause?mode=wait&clear_cache=false        policy ``pause``: in-flight requests finish first
                                                    (``mode=keep`` with ``mix_versions``: they freeze)
-    POST /finish_weight_update {"weight_version": "7"}    the worker loads the verified version, or
-                                                          refuses it; vLLM adopts the version's number
+    POST /update_weights {"update_info": {"commit": 7}}   the worker loads the verified version, or
+                                                          refuses it
+    POST /finish_weight_update {"weight_version": "7"}    vLLM ends the session, adopts the number
     POST /reset_prefix_cache?reset_running_requests=true  policy ``reset_prefix_cache``
     POST /resume
     GET  /weight_info                              {"weight_version": "7"}: the live version
 
 With ``receive: in_rpc`` the pause comes first (before ``/start_weight_update``) and
 ``/update_weights`` is answered once the version is received, verified and loaded: vLLM generates
-nothing for the whole transfer. A failed version is undone by ``abort``: a ``DiscardRequest`` in
+nothing for the whole transfer. Every ``init_info`` and ``update_info`` carries the credential of
+the server's ``token`` (``protocol.keys.credential``): vLLM's ``--api-key`` does not guard these
+routes, asyncsync's backend does, and ``/finish_weight_update`` (which reaches the worker with
+nothing to check) loads nothing, hence the commit. A failed version is undone by ``abort``: a ``DiscardRequest`` in
 ``/update_weights`` (a version received in the background is dropped, never loaded), then
 ``/finish_weight_update`` without a version, which ends vLLM's update session even after a
 ``finish`` that raised (vLLM's worker then keeps the session open), then ``/resume``.
@@ -52,9 +56,11 @@ from typing import Any
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version
 from asyncsync.protocol.arena import vllm_staging
+from asyncsync.protocol.keys import CREDENTIAL_FIELD, credential
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.schema import Message
+from asyncsync.protocol.wire import CommitRequest, DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -75,6 +81,7 @@ class VllmEngine(EngineClient):
         self._held_s = 0.0  # of the version in progress: time vLLM's engine was held for it
         self._open = False  # vLLM's worker has an update session open (started, not yet finished)
         self._scale_out: bool | None = None  # whether SCALE_OUT_GENERATE is served (None: not asked yet)
+        self._credential = {CREDENTIAL_FIELD: credential(server.token)} if server.token else {}
         self._weight_versions: bool | None = None  # whether completions report weight_versions (vLLM 0.33)
 
     @property
@@ -107,8 +114,12 @@ class VllmEngine(EngineClient):
         return workers // per_engine
 
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
-        await self.http.post("/init_weight_transfer_engine",
-                             {"init_info": InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay).to_json()})
+        init = InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay)
+        await self.http.post("/init_weight_transfer_engine", {"init_info": {**init.to_json(), **self._credential}})
+
+    def _info(self, message: Message) -> dict[str, Any]:
+        """``/update_weights``'s body: ``message`` in the slot's table, with the trainer's credential."""
+        return {"update_info": {**UPDATE_INFO.encode(message), **self._credential}}
 
     async def begin(self, version: int) -> None:
         self.last_switch_s, self._held_s = None, 0.0
@@ -156,7 +167,7 @@ class VllmEngine(EngineClient):
         refusal of ``check`` (carried as ``update_info``), or None; vLLM ends the session."""
         await self._start(0)  # no version follows: nothing is paused
         try:
-            await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(check)})
+            await self.http.post("/update_weights", self._info(check))
         except ServerError as e:
             if e.status is None:
                 raise
@@ -177,7 +188,7 @@ class VllmEngine(EngineClient):
 
     async def _post_update(self, update: UpdateRequest | AdapterUpdate) -> None:
         try:
-            await self._holding(self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(update)}))
+            await self._holding(self.http.post("/update_weights", self._info(update)))
         except ServerError as e:
             if e.status is not None:  # the engine raised: vLLM closed the session
                 self._open = False
@@ -189,14 +200,22 @@ class VllmEngine(EngineClient):
 
     async def end_adapter(self, version: int) -> None:
         """The worker writes the verified adapter (no version: vLLM's weights keep theirs)."""
+        await self._commit(version)
         await self.http.post("/finish_weight_update")
         self._open = False
+
+    async def _commit(self, version: int) -> None:
+        """Apply a version received in the background (its load, or its adapter's write): an
+        authenticated call (``/finish_weight_update`` carries nothing the worker could check)."""
+        if self.receives_in_background:
+            await self._holding(self.http.post("/update_weights", self._info(CommitRequest(version))))
 
 
     async def end(self, version: int) -> int:
         try:
             if self.server.pause and self.receives_in_background:
                 await self._pause()  # only around the load: the transfer is done by now
+            await self._commit(version)
             await self._holding(self.http.post("/finish_weight_update", {"weight_version": str(version)}))
             self._open = False
             if self.server.reset_prefix_cache:
@@ -219,7 +238,7 @@ class VllmEngine(EngineClient):
     async def _discard(self, version: int) -> None:
         """Drop what the worker received of ``version`` without loading it, then end vLLM's session
         with a finish that has nothing to load (no version: the served version's number stays)."""
-        await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(DiscardRequest(version))})
+        await self.http.post("/update_weights", self._info(DiscardRequest(version)))
         await self.http.post("/finish_weight_update")
 
     def calls(self, phase: Phase, buckets: int) -> int:
@@ -228,7 +247,8 @@ class VllmEngine(EngineClient):
         return {
             "begin": 4 + pause * (1 - background),  # start; discard, finish and start again for a session left open
             "update": 1,
-            "end": 2 + pause * (1 + background) + reset,  # [pause], finish, [reset], [resume], weight_info
+            # [pause], [commit: received in the background], finish, [reset], [resume], weight_info
+            "end": 2 + pause * (1 + background) + reset + background,
             "abort": 3,  # discard, finish, resume
         }.get(phase, 1)
 

@@ -152,6 +152,7 @@ class SealedStore(Store):
 
 
 CREDENTIAL_FIELD = "asyncsync_credential"  # where a weight-transfer payload to vLLM carries it
+TOKEN_VARIABLES = ("ASYNCSYNC_TOKEN", "VLLM_API_KEY")  # where a server's token is read from, first first
 
 
 def credential(token: str) -> str:
@@ -159,3 +160,38 @@ def credential(token: str) -> str:
     ``token``, and what the server's backend compares: derived from the token (the token itself
     never appears in a body vLLM might log)."""
     return mac(token.encode(), b"asyncsync vllm weight transfer").hex()
+
+
+class Unauthorized(PermissionError):
+    """A call carried no credential, or another server's."""
+
+
+class PayloadGuard:
+    """The check a receiver makes where no route guard checks the bearer token: asyncsync's vLLM
+    backend, whose routes (``/init_weight_transfer_engine``, ``/update_weights``) vLLM's
+    ``--api-key`` does not cover (it guards ``/v1/*`` only). Every payload must carry
+    ``credential(token)`` under ``CREDENTIAL_FIELD``; without a token (none in the environment)
+    nothing is checked, as vLLM without ``--api-key`` checks nothing."""
+
+    def __init__(self, token: str | None):
+        self.expected = credential(token) if token else None
+
+    @classmethod
+    def from_environment(cls, environ: Any) -> PayloadGuard:
+        """The token the server was started with: ``ASYNCSYNC_TOKEN``, else ``VLLM_API_KEY`` (which
+        vLLM's own guard of ``/v1/*`` reads too)."""
+        return cls(next((environ[v] for v in TOKEN_VARIABLES if environ.get(v)), None))
+
+    @property
+    def guarding(self) -> bool:
+        return self.expected is not None
+
+    def check(self, payload: Any, route: str) -> None:
+        """``Unauthorized`` unless ``payload`` carries this server's credential."""
+        if self.expected is None:
+            return
+        given = payload.get(CREDENTIAL_FIELD) if isinstance(payload, dict) else None
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.expected.encode()):
+            raise Unauthorized(f"weight-transfer call refused: {route} carried {'a wrong' if given else 'no'} "
+                               "asyncsync credential; the trainer's servers[].token must be the token this server "
+                               f"was started with ({' or '.join(TOKEN_VARIABLES)})")

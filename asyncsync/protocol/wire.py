@@ -296,6 +296,16 @@ class DiscardRequest(Message):
     version: Annotated[Version, Key("discard")]
 
 
+@dataclass(frozen=True)
+class CommitRequest(Message):
+    """Apply ``version``, received and verified in the background (``UpdateRequest.receive``): the
+    trainer's end of such a version. Carried where an ``UpdateRequest`` would be (vLLM's
+    ``update_info``, whose payloads carry the trainer's credential), not in vLLM's
+    ``/finish_weight_update``, which reaches the worker with nothing to authenticate."""
+
+    version: Annotated[Version, Key("commit")]
+
+
 def _spec(value: Any, path: Path, reading: Any) -> TensorSpec:
     """A tensor spec sent as ``[name, dtype, [sizes...]]`` (a ``LayoutCheck``'s, an adapter's),
     each part bounded and validated before a ``TensorSpec`` is made of it."""

@@ -18,9 +18,9 @@ from asyncsync.models import ModelConfig, build_model
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.frames import FrameHeader
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
-from asyncsync.protocol.keys import new_key
+from asyncsync.protocol.keys import CREDENTIAL_FIELD, credential, new_key
 from asyncsync.protocol.specs import BucketPlan
-from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.wire import BucketMeta, CommitRequest, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference.app import Faults
 from asyncsync.launch.reference import ServerProcess, running
 from asyncsync.transport.topology import TrainerGroups
@@ -43,7 +43,8 @@ class RogueTrainer:
     """Rank 0 of a data-plane group with one server running asyncsync's receiver (a reference server,
     or with ``vllm`` a vLLM server with asyncsync's backend, through vLLM's own routes), sending
     whatever a test tells it to: the trainer that lies (a bucket longer than announced, frames of
-    another plan) or goes silent.
+    another plan) or goes silent. On vLLM with a ``token`` its payloads carry the trainer's
+    credential (``protocol.keys.credential``), as the trainer's own client's do.
 
         rogue = RogueTrainer(url)                       # the server joined the group (POST /init_group)
         request, buckets = rogue.version(named, 7)      # a valid version of ``named`` for this server
@@ -54,6 +55,7 @@ class RogueTrainer:
     def __init__(self, url: str, token: str | None = None, session: str | None = None, timeout_s: float = 10.0,
                  vllm: bool = False):
         self.url, self.token, self.session, self.vllm = url, token, session, vllm
+        self.credential = {CREDENTIAL_FIELD: credential(token)} if vllm and token else {}
         self.spec = GroupSpec("127.0.0.1", free_port(), 2, f"rogue{free_port()}", "gloo", timeout_s, key=new_key())
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(self.init_group, InitGroupRequest(self.spec, 1).to_json())
@@ -70,17 +72,25 @@ class RogueTrainer:
     def init_group(self, body: Any) -> tuple[int, Any]:
         """Post an ``InitGroupRequest`` body (anything) as the server's route takes it."""
         if self.vllm:
-            return self.call("POST", "/init_weight_transfer_engine", {"init_info": body})
+            return self.call("POST", "/init_weight_transfer_engine", {"init_info": self._credited(body)})
         return self.call("POST", "/init_group", body)
 
-    def update(self, body: Any) -> tuple[int, Any]:
+    def _credited(self, body: Any) -> Any:
+        return {**body, **self.credential} if isinstance(body, dict) else body
+
+    def update(self, body: Any, commit: int | None = None) -> tuple[int, Any]:
         """Post an ``UpdateRequest`` body (anything) as the server's route takes it; on vLLM inside an
-        update session (start, update, finish: a refused update leaves nothing open)."""
+        update session (start, update, [the commit of version ``commit``], finish: a refused update
+        leaves nothing open)."""
         if not self.vllm:
             return self.call("POST", "/update", body)
         self.call("POST", "/start_weight_update", {})
         try:
-            return self.call("POST", "/update_weights", {"update_info": body})
+            answer = self.call("POST", "/update_weights", {"update_info": self._credited(body)})
+            if commit is not None and answer[0] == 200:
+                answer = self.call("POST", "/update_weights", {"update_info": self._credited(
+                    CommitRequest(commit).to_json())})
+            return answer
         finally:
             self.call("POST", "/finish_weight_update", {})
 
@@ -95,12 +105,13 @@ class RogueTrainer:
                              (deadline_s,) * len(flat)), flat
 
     def send(self, request: UpdateRequest, payloads: Sequence[tuple[FrameHeader, torch.Tensor]],
-             timeout_s: float = 5.0) -> tuple[int, Any, str | None, float]:
-        """Post ``request`` and broadcast ``payloads`` (each after the given header) meanwhile: the
-        server's answer, what the rogue's own broadcasts said (None: all sent), and the answer's delay."""
+             timeout_s: float = 5.0, commit: int | None = None) -> tuple[int, Any, str | None, float]:
+        """Post ``request`` (``commit``: as ``update``) and broadcast ``payloads`` (each after the given
+        header) meanwhile: the server's answer, what the rogue's own broadcasts said (None: all sent),
+        and the answer's delay."""
         start = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(self.update, request.to_json())
+            answer = pool.submit(self.update, request.to_json(), commit)
             failed = None
             try:
                 for header, payload in payloads:

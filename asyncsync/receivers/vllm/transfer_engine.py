@@ -17,9 +17,9 @@ Where step 1 runs is the request's ``receive`` mode:
 
 * ``background``: ``update_weights`` starts step 1 on a worker thread (``protocol.background``; on
   CUDA on a dedicated stream, ordered against the load by events) and returns at once, so the engine
-  keeps stepping during the whole transfer. ``finish_weight_update`` waits for the verified version
-  (normally already there: the trainer calls it after its last broadcast) and does steps 2-3. The
-  engine is held only for the load.
+  keeps stepping during the whole transfer. A ``CommitRequest`` in ``update_weights`` waits for the
+  verified version (normally already there: the trainer sends it after its last broadcast) and does
+  steps 2-3. The engine is held only for the load.
 * ``in_rpc``: ``update_weights`` does steps 1-3 itself; the engine is held for the whole transfer,
   but nothing of the receive (checksum temporaries, the data plane's buffers) overlaps generation.
 
@@ -28,10 +28,19 @@ request ever meets a half-loaded model, whatever the trainer's pause policy and 
 the trainer mid-update.
 
 vLLM's worker marks an update active from ``start_weight_update`` until ``finish_weight_update``
-returns; if ``finish`` raises (a refused version) the mark stays, and the next ``start`` fails. So
-``finish`` leaves nothing pending whatever happens, a second ``finish`` is a no-op that ends vLLM's
-session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the background
-that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it aborts.
+returns; if ``finish`` raises the mark stays, and the next ``start`` fails. So ``finish`` leaves
+nothing pending whatever happens and never raises for a version, a second ``finish`` is a no-op that
+ends vLLM's session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the
+background that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it
+aborts.
+
+Credentials: vLLM's ``--api-key`` guards ``/v1/*`` only, not these routes. Every payload that
+reaches this engine (``init_info``, ``update_info``) must carry the credential of the token the
+server was started with (``ASYNCSYNC_TOKEN``, or ``VLLM_API_KEY``, which vLLM's own guard reads;
+``protocol.keys.PayloadGuard``), or it is refused before it is decoded. ``/finish_weight_update``
+reaches the worker with nothing to authenticate, so it loads nothing: a version received in the
+background is applied only by an authenticated ``CommitRequest``, and ``finish`` drops one that none
+committed. What stays open is vLLM's own (docs/engines/vllm.md, "Trust").
 
 Contract: a version this engine reports loaded is served by every module, each with the processing
 derived from that version's weights; a version that cannot be is refused before the model is touched.
@@ -58,13 +67,14 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from asyncsync.protocol.arena import Arena, HostArena, Staging, vllm_staging
 from asyncsync.protocol.background import BackgroundReceive
 from asyncsync.protocol.device import runtime_for
+from asyncsync.protocol.keys import PayloadGuard
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.admission import VersionRejected
 from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.wire import CommitRequest, DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.fixes import PostLoadFixes
 from asyncsync.receivers.vllm.node import NodeStaging
@@ -113,18 +123,24 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.pending: UpdateRequest | AdapterUpdate | None = None
         self.fixes = PostLoadFixes.of(model)  # what vLLM's reload leaves stale, repaired after each load
         self.background = BackgroundReceive(self.stager, self._verify)
+        self.guard = PayloadGuard.from_environment(os.environ)  # the trainer's credential, checked in every payload
+        if not self.guard.guarding:
+            log.warning("asyncsync: weight-transfer calls are not authenticated (vLLM's --api-key does not cover "
+                        "them): start the server with ASYNCSYNC_TOKEN or VLLM_API_KEY set to the trainer's token")
         pc = self.parallel_config
         self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,
                                        writer=pc.rank == 0 and pc.data_parallel_index == 0)
         self._handlers: dict[type, Callable[[Any], None]] = {
             LayoutCheck: self._check_layout, AdapterCheck: self.adapters.check, BaseCheck: self._check_base,
             AdapterUpdate: self._receive_adapter, DiscardRequest: self._discard, UpdateRequest: self._receive,
+            CommitRequest: self._commit,
         }
         where = f"{nbytes / 1e6:.1f} MB staging arena on {'host shared memory' if self.staging == 'host' else device}"
         log.info("asyncsync: staging %s: %s", self.staging, where if self.arena is not None else
                  "this worker loads from its engine's stager's arena (it receives nothing)")
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
+        self.guard.check(init_dict, "/init_weight_transfer_engine")
         return InitGroupRequest.from_json(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:  # type: ignore[override]
@@ -152,7 +168,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """One handler per message the trainer's client carries in ``update_info``: a version (``in_rpc``:
         received, verified and loaded here; ``background``: started on the worker thread), an
         adapter version, a ``DiscardRequest`` (drop a background version), and the checks made at the
-        trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse."""
+        trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse; a
+        ``CommitRequest`` applies the version received in the background. Each carries the trainer's
+        credential (``Unauthorized`` before anything is decoded, if not)."""
+        self.guard.check(update_info, "/update_weights")
         request = self.parse_update_info(update_info)
         self._handlers[type(request)](request)
 
@@ -169,9 +188,9 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         log.info("discarded version %d", request.version)
 
     def _refuse_while_pending(self, what: str) -> None:
-        if self.pending is not None:
-            busy = self.pending.update.version if isinstance(self.pending, AdapterUpdate) else self.pending.version
-            raise VersionRejected(f"{what} rejected: version {busy} is being received in the background; finish "
+        busy = self._pending_version()
+        if busy is not None:
+            raise VersionRejected(f"{what} rejected: version {busy} is being received in the background; commit "
                                   "or discard it first")
 
     def _receive(self, request: UpdateRequest) -> None:
@@ -235,14 +254,19 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.adapters.verify(update, staged)
         self.adapters.write(update, staged)
 
-    def finish_weight_update(self) -> None:
-        """Load the version received in the background, if one is pending (else nothing: the version
-        was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
-        version is written as a PEFT directory instead. Raises what the receive raised (a refused
-        version); nothing is pending afterwards either way."""
+    def _commit(self, request: CommitRequest) -> None:
+        """Load the version received in the background (an adapter version: write it as a PEFT
+        directory). Raises what the receive raised (a refused version), or ``VersionRejected`` when
+        another version (or none) is pending; nothing is pending afterwards either way."""
+        busy = self._pending_version()
+        if busy != request.version:
+            if busy is not None:
+                self._discard(DiscardRequest(busy))
+            raise VersionRejected(f"version {request.version} rejected: "
+                                  f"{'nothing' if busy is None else f'version {busy} (dropped)'} was received in "
+                                  "the background")
         pending, self.pending = self.pending, None
-        if pending is None:
-            return
+        assert pending is not None
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
@@ -252,9 +276,27 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         finally:
             self.background.released()  # the arena may be received into once the load has read it
 
+    def finish_weight_update(self) -> None:
+        """Ends vLLM's update session and loads nothing (vLLM passes the worker nothing that could be
+        authenticated): the version was loaded in ``update_weights``, by its ``CommitRequest``, or is
+        dropped here, none having committed it. Never raises."""
+        busy = self._pending_version()
+        if busy is not None:
+            log.warning("update session finished without the trainer's commit: version %d, received in the "
+                        "background, is dropped, not loaded", busy)
+            self._discard(DiscardRequest(busy))
+
+    def _pending_version(self) -> int | None:
+        pending = self.pending
+        if pending is None:
+            return None
+        return pending.update.version if isinstance(pending, AdapterUpdate) else pending.version
+
     def drain_pending(self) -> None:
         """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
-        self.finish_weight_update()
+        busy = self._pending_version()
+        if busy is not None:
+            self._commit(CommitRequest(busy))
 
     def _load(self, staged: StagedVersion) -> None:
         start = time.perf_counter()

@@ -149,7 +149,8 @@ class VersionFrames:
         """What is wrong with the header received for frame ``index``, announced as ``nbytes`` long,
         or None when its payload may be received (the receiver's side)."""
         if got is None:
-            return f"frame {index} has no asyncsync frame header: the sender does not speak protocol {PROTOCOL_VERSION}"
+            return (f"frame {index} has no asyncsync frame header: the sender does not speak protocol {PROTOCOL_VERSION}, "
+                    "or sent a payload of another length before it")
         if got.protocol != PROTOCOL_VERSION:
             return f"frame {index} is of data-plane protocol {got.protocol}, this receiver speaks {PROTOCOL_VERSION}"
         if not got.authentic:

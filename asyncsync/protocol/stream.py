@@ -170,6 +170,7 @@ class StreamEdge:
                 why = str(e) if isinstance(e, DataPlaneError) else f"{type(e).__name__}: {e}"
                 work.fail(why)
                 log.warning("relay edge %s broken: %s", self.spec.group_name, why)
+                self._break(why)
                 self.close(broken=True)
                 return
             work.done.set()

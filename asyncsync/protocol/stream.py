@@ -45,7 +45,7 @@ import torch
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameSeal
 from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, namespaced, rendezvous, store_for
-from asyncsync.protocol.keys import KEY_BYTES, MAC_BYTES, Proof
+from asyncsync.protocol.keys import KEY_BYTES, MAC_BYTES, Forged, Proof
 from asyncsync.protocol.wire import GroupSpec
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,10 @@ def _rendezvous(spec: GroupSpec, rank: int, stop: threading.Event) -> tuple[sock
     proof = Proof(bytes.fromhex(spec.key), spec.group_name.encode())
     if rank == 1:
         return _listen(spec, store, proof, give_up, stop)
-    host, _, port = store.get(_ADDRESS).decode().rpartition(":")
+    try:
+        host, _, port = store.get(_ADDRESS).decode().rpartition(":")
+    except Forged as e:
+        raise DataPlaneError(f"edge '{spec.group_name}': {e}") from None
     return _connect(spec, (host.strip("[]"), int(port)), proof, give_up)
 
 

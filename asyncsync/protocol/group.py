@@ -100,7 +100,8 @@ def serve_store(host: str, port: int, timeout_s: float) -> TCPStore:
         return TCPStore(host, bound, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
                         master_listen_fd=listener.detach())
     except Exception as e:  # torch raises DistNetworkError (a RuntimeError) or RuntimeError
-        raise DataPlaneError(f"the rendezvous store on {host}:{bound} did not start: {e}") from None
+        raise DataPlaneError(f"the rendezvous store on {host}:{bound} did not start: {e} (out of file descriptors? "
+                             "raise the open-file limit)") from None
 
 
 def _errno_name(e: OSError) -> str:

@@ -168,6 +168,8 @@ class StreamEdge:
                 move(sock, _bytes_of(work.buffer), work.deadline)
             except (OSError, ValueError, DataPlaneError) as e:  # ValueError: a socket closed meanwhile
                 why = str(e) if isinstance(e, DataPlaneError) else f"{type(e).__name__}: {e}"
+                if self._sock is None and self._broken is not None:  # closed here meanwhile: that is why
+                    why = self._broken
                 work.fail(why)
                 log.warning("relay edge %s broken: %s", self.spec.group_name, why)
                 self._break(why)

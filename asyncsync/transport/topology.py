@@ -154,13 +154,14 @@ class RendezvousStore:
 
     def __init__(self, host: str, port: int, timeout_s: float):
         try:
-            self.store = serve_store(host, port, timeout_s)
+            store = serve_store(host, port, timeout_s)
         except DataPlaneError as e:
             if not port or "EADDRINUSE" not in str(e):
                 raise
             log.warning("%s; the rendezvous store takes a free port instead", e)
-            self.store = serve_store(host, 0, timeout_s)
-        self.port: int = self.store.port
+            store = serve_store(host, 0, timeout_s)
+        self.store: TCPStore | None = store
+        self.port: int = store.port
 
     def close(self) -> None:
         self.store = None  # a TCPStore's server stops with its last reference

@@ -24,7 +24,7 @@ from asyncsync.protocol.wire import OWNED_STATUS
 from asyncsync.testing import ServerProcess, http_call, mixed_dtype_model
 
 from conftest import TINY
-from helpers import Trainer, digest, weights
+from helpers import Trainer, digest, listening_addresses, weights
 
 DEADLINES = {"rendezvous_s": 6.0, "collective_s": 6.0, "http_s": 20.0}
 
@@ -97,19 +97,6 @@ def serves(servers: list[ServerProcess], named: dict, version: int) -> None:
         answer = server.get("/weights/digest")
         assert answer["version"] == version and answer["digest"] == {
             n: d for n, d in digest(named).items() if n in names}, f"{server.url} serves other bytes"
-
-
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses of this host's TCP sockets listening on ``port`` (IPv4 and IPv6)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    found.add(address)
-    return found
 
 
 def test_a_foreign_client_lists_no_useful_name_and_nothing_it_writes_reaches_a_member(servers, trainer):

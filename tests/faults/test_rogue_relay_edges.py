@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from asyncsync.config import WeightSyncConfig
-from asyncsync.models import build_model
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.testing import RogueRelay, ServerProcess, mixed_dtype_model, version_of
 
 from conftest import TINY
-from helpers import Trainer, call, digest, weights
+from helpers import Trainer, digest, weights
 
 PROMPT = {"prompt": [5, 6, 7], "max_new_tokens": 6}
 DEADLINE_S = 2.0  # each frame's, as the rogue announces them: a stalled stream is refused by then

@@ -163,8 +163,8 @@ class Epochs:
         """Epoch ``number``'s groups over ``wired``, in the session's store (made now if it is not yet:
         ``DataPlaneError`` when it cannot listen)."""
         cfg = self.config
-        if self.store is None:
-            self.store = RendezvousStore(cfg.master_addr, cfg.master_port, cfg.deadlines.rendezvous_s)
+        if self.store is None:  # its waits: as long as a group's rendezvous may take (each group's own timeout)
+            self.store = RendezvousStore(cfg.master_addr, cfg.master_port, cfg.deadlines.collective_s)
         self.relays.forget(self.book.evicted())  # an evicted server comes back as a leaf
         return GroupLayout.of(cfg.replace(group_name=f"{cfg.group_name}.{number}"), wired, self.book.ranks(),
                               self.runtime, self.sources, self.buckets, self.relays.seniority, port=self.store.port)

@@ -93,9 +93,10 @@ class Forward:
         in flight, on every edge at once and waited for together, at most ``LOST_S``: a group's
         receive does not fail when its peer only aborts the group, whose connections stay open
         while anything holds it, and the servers below would wait out their deadlines."""
+        edges, self.edges, self._pending = self.edges, [], []  # taken first: a send failing meanwhile drops none
         told = []
         header = self.frames.lost() if lost else None
-        for edge in self.edges:
+        for edge in edges:
             if header is not None and isinstance(edge, DataPlaneGroup):
                 try:
                     told.append((edge, edge.broadcast_async(self.runtime.upload(edge.seal.tensor(header)), LOST_S)))
@@ -106,9 +107,8 @@ class Forward:
                 edge.wait(work)
             except DataPlaneError as e:
                 log.debug("relay edge %s: %s", edge.spec.group_name, e)
-        for edge in self.edges:
+        for edge in edges:
             edge.close(broken=True)
-        self.edges, self._pending = [], []
 
     def _wait_for(self, sent: list[tuple[Edge, Any, Any, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
@@ -122,6 +122,8 @@ class Forward:
 
     def _drop(self, edge: Edge, error: Exception) -> None:
         """The server below is lost for this epoch; this server's own version goes on."""
+        if edge not in self.edges:  # abandoned meanwhile (a cancel on another thread)
+            return
         self.edges.remove(edge)
         edge.close(broken=True)
         self._pending = [[s for s in sent if s[0] is not edge] for sent in self._pending]  # its works let go

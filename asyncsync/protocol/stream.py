@@ -115,6 +115,8 @@ class StreamEdge:
             raise DataPlaneError(f"rank {self.rank}: relay edge '{self.spec.group_name}' is broken: {self._broken}")
         work = StreamWork(tensor, time.monotonic() + (timeout_s if timeout_s is not None else self.spec.timeout_s))
         self._queue.put(work)
+        if self._broken is not None:  # broken meanwhile, by another thread: fail what it did not see
+            self._break(self._broken)
         return work
 
     def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
@@ -143,15 +145,21 @@ class StreamEdge:
         self._queue.put(None)
 
     def _break(self, why: str) -> None:
+        """From now on every operation fails (first reason kept): the queued ones at once."""
         if self._broken is None:
             self._broken = why
+        stop = False
         while True:
             try:
                 work = self._queue.get_nowait()
             except queue.Empty:
-                return
-            if work is not None:
+                break
+            if work is None:
+                stop = True
+            else:
                 work.fail(self._broken)
+        if stop:  # the I/O thread's end, taken out with the rest: put back
+            self._queue.put(None)
 
     def _run(self) -> None:
         """The I/O thread: each queued operation in turn; the first that fails breaks the edge."""

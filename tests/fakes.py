@@ -288,6 +288,14 @@ class FakeNcclGroup:
         self.gloo._set_sequence_number_for_group()
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        return self._collective(lambda: self.gloo.broadcast(tensors, opts))
+
+    def allgather(self, out: list[list[torch.Tensor]], tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        return self._collective(lambda: self.gloo.allgather(out, tensors, opts))
+
+    def _collective(self, op: Any) -> FakeWork:
+        """``op`` (the gloo collective underneath) enqueued as NCCL enqueues one: on the group's
+        internal stream, after the caller's current stream, completing late."""
         fake = self.fake
         fake.check_device("a collective")
         with fake._enqueue_count_lock:
@@ -311,7 +319,7 @@ class FakeNcclGroup:
                         self.aborted.wait()  # a dead peer: nothing completes until the group is aborted
                         raise RuntimeError("NCCL communicator was aborted")
                     time.sleep(fake.wire_delay_s)
-                    self.gloo.broadcast(tensors, opts).wait()
+                    op().wait()
                 except BaseException as e:
                     work.error = e
                 finally:

@@ -57,6 +57,19 @@ def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None =
     return http_call(url, method, path, body, timeout_s=30, raw=raw)
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of this host's TCP sockets listening on ``port`` (IPv4 and IPv6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
 def live_version(url: str) -> str:
     """What an SGLang server reports as its live weight version (``/model_info``)."""
     return call(url, "GET", "/model_info")[1]["weight_version"]

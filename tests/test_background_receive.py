@@ -179,6 +179,18 @@ def test_a_relayed_receiver_waits_for_a_first_frame_as_many_hops_late_as_servers
     assert torch.equal(dict(staged.tensors())["w"], weights(1))
 
 
+def test_a_cancel_with_a_receive_pending_in_the_group_returns_at_once(link):
+    """The receive is posted in the gloo group and the trainer sends nothing (the issue's M1: closing
+    the group waited for that receive's deadline, 5.8 s of 6, inside the RPC that holds vLLM's engine)."""
+    link.background.start(UpdateRequest(1, (META,), True, (6.0,), receive="background"), served_version=0)
+    time.sleep(0.3)  # the worker posted the header's receive
+    start = time.monotonic()
+    link.background.cancel()
+    took = time.monotonic() - start
+    print(f"cancel with a receive pending: {took * 1e3:.1f} ms")
+    assert took < 0.5 and link.background.stager.joined.group is None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_the_receive_and_its_data_plane_threads_run_below_the_serving_threads():
     """The worker lowers its priority, and the threads of the group it joined (gloo's) inherit it."""

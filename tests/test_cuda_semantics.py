@@ -171,7 +171,8 @@ def test_senders_broadcast_from_their_own_streams_never_the_trainers(fake, serve
         sent_at = time.monotonic()
     assert "trainer_kernel" in ran and ran["trainer_kernel"] < sent_at - 0.2, \
         "the trainer's next kernel waited for the broadcast: a sender used the trainer's stream"
-    sender_streams = {id(s) for g in fake.groups for s in g.caller_streams[1:]}  # [0]: the warm-up at connect
+    # [:2]: the proof of the key at connect (a nonce broadcast, an all-gather), on the connecting thread
+    sender_streams = {id(s) for g in fake.groups for s in g.caller_streams[2:]}
     assert id(fake.default_stream()) not in sender_streams and not any(s.pool for g in fake.groups for s in g.caller_streams)
 
 
@@ -359,12 +360,14 @@ def test_the_harness_sees_senders_enqueueing_at_once(fake, servers, monkeypatch)
 def test_a_cold_group_is_first_used_with_nothing_else_in_flight():
     from asyncsync.engines.base import ASYNCSYNC_PROTOCOL
     from asyncsync.engines.sglang import SGLANG_PROTOCOL
-    from asyncsync.protocol.frames import FrameHeader
+    from asyncsync.protocol.frames import UNSEALED, FrameHeader
     from asyncsync.transport.topology import TrainerGroups
 
     events: list[str] = []
 
     class Recorder:
+        seal = UNSEALED
+
         def __init__(self, name: str):
             self.name = name
 

@@ -9,6 +9,7 @@ it relays, its return as a leaf, then async versions drained by close().
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from asyncsync.netns import Link
 from asyncsync.protocol.device import HostRuntime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import free_port
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest, WireError
 from asyncsync.transport.relay import RelayTree
 from asyncsync.transport.relay import slow_hops
@@ -64,15 +66,19 @@ def test_auto_picks_a_chain_unless_the_servers_far_outnumber_the_buckets():
 
 
 def test_init_group_carries_relay_edges_and_refuses_what_cannot_be_one():
-    spec = GroupSpec("10.0.0.1", 29500, 2, "g", "gloo", 60.0)
-    edge = GroupSpec("10.0.0.1", 29501, 2, "g.relay1.0", "gloo", 60.0)
+    spec = GroupSpec("10.0.0.1", 29500, 2, "g", "gloo", 60.0, key=new_key())
+    edge = GroupSpec("10.0.0.1", 29500, 2, "g.relay1.0", "stream", 60.0, key=new_key())
     req = InitGroupRequest(spec, 1, relay=(edge,))
     assert InitGroupRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
     assert "relay" not in InitGroupRequest(spec, 1).to_json()  # a direct server's request is as before
     with pytest.raises(WireError, match="two ranks"):
-        InitGroupRequest(spec, 1, relay=(GroupSpec("10.0.0.1", 29501, 3, "e", "gloo", 60.0),))
+        InitGroupRequest(spec, 1, relay=(GroupSpec("10.0.0.1", 29501, 3, "e", "gloo", 60.0, key=new_key()),))
+    with pytest.raises(WireError, match="two ranks"):  # host weights go down a stream, never a gloo edge
+        InitGroupRequest(spec, 1, relay=(GroupSpec("10.0.0.1", 29501, 2, "e", "gloo", 60.0, key=new_key()),))
     with pytest.raises(WireError, match="one rank"):
         InitGroupRequest(spec, 1, more_groups=(spec,), relay=(edge,))
+    with pytest.raises(WireError, match=r"relay\[0\]\.key: data-plane protocol 3 keys every group"):
+        InitGroupRequest(spec, 1, relay=(dataclasses.replace(edge, key=""),))
 
 
 def test_fanout_is_checked_at_load():
@@ -99,6 +105,10 @@ def test_the_trainers_group_holds_the_root_and_the_servers_that_cannot_relay():
     assert root[1] == 1 and wide[1] == 2 and root[2] == (second[0][0],) and second[2] == (third[0][0],)
     assert third[2] == () and sglang[2] == () and wide[2] == ()  # a leaf, SGLang and a wide engine relay nothing
     assert all(spec.world_size == 2 and spec.host == cfg.master_addr for spec in layout.edges)
+    assert all(spec.backend == "stream" and spec.key for spec in layout.edges), "host weights relay down keyed streams"
+    specs = [s for _, group in layout.groups for s in group] + layout.edges
+    assert len({s.port for s in specs}) == 1, "every group and edge meets in the trainer's one store"
+    assert len({s.key for s in specs if s.key}) == len(specs) - 1, "a key per group and edge (SGLang's has none)"
     back = GroupLayout.of(cfg, engines, sizes, HostRuntime(), seniority=["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
     assert back.trees[0].order[-1] == "http://10.0.0.1:8000", "a server that came back is a leaf"
 

@@ -14,7 +14,6 @@ repair.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from asyncsync.models import build_model
 from asyncsync.protocol import relay as protocol_relay
 from asyncsync.protocol.background import finish_window_s
 from asyncsync.protocol.device import HostRuntime
-from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup
 from asyncsync.protocol.wire import MAX_DEADLINE_S, BucketMeta, GroupSpec, UpdateRequest
 from asyncsync.ranks import TrainerRanks
 from asyncsync.receivers.reference.app import ReferenceServer
@@ -45,7 +44,6 @@ from asyncsync.transport.kinds import WEIGHTS
 from asyncsync.transport.phases import Phases
 from asyncsync.transport.relay import Relays, RelayTree, arrange, failed_edges, reach_s, tree_order
 from asyncsync.transport.send import judge_relays, relayed_requests
-from asyncsync.transport.topology import RelayStores
 
 from conftest import TINY
 from helpers import ThreadedServer, Trainer, digest, weights
@@ -287,25 +285,28 @@ def test_a_member_evicted_in_a_version_is_not_parked_and_is_not_called_before_th
         control.close()
 
 
-def test_a_relay_store_whose_port_was_taken_is_the_epochs_failure_and_the_next_try_takes_fresh_ports(board, monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        spec = GroupSpec("127.0.0.1", port, 2, "g.relay1.0", "gloo", 5.0)
-        with pytest.raises(DataPlaneError, match=f"relay edge g.relay1.0 could not listen on 127.0.0.1:{port}"):
-            RelayStores([GroupSpec("127.0.0.1", free_port(), 2, "g.relay1.x", "gloo", 5.0), spec])
-        handed = iter([port])
-        monkeypatch.setattr(topology, "free_port", lambda host="127.0.0.1": next(handed, None) or free_port(host))
-        epochs, s, control = make_epochs(board, n=3)
-        try:
-            epochs.form(s)  # the first edge's store cannot listen: formed again at once, on fresh ports
-            assert epochs.book.evicted() == {} and len(epochs.current.trees[0].order) == 3
-            assert [c for c in board.calls if c[1] == "init_group"] == [(e.url, "init_group") for e in s], \
-                "no server was asked to join the epoch whose store could not listen"
-        finally:
-            epochs.drop()
-            control.close()
+def test_a_store_that_could_not_listen_is_the_epochs_failure_and_the_next_try_forms(board, monkeypatch):
+    """The session's rendezvous store fails to listen once (EMFILE, as torch raises it, made a
+    ``DataPlaneError``): no server is asked to join that epoch, and the next try forms it whole."""
+    real = topology.RendezvousStore.__init__
+    tries: list[int] = []
+
+    def once(self, host: str, port: int, timeout_s: float) -> None:
+        tries.append(port)
+        if len(tries) == 1:
+            raise DataPlaneError(f"the rendezvous store cannot listen on {host}:{port}: Too many open files (EMFILE)")
+        real(self, host, port, timeout_s)
+
+    monkeypatch.setattr(topology.RendezvousStore, "__init__", once)
+    epochs, s, control = make_epochs(board, n=3)
+    try:
+        epochs.form(s)
+        assert len(tries) == 2 and epochs.book.evicted() == {} and len(epochs.current.trees[0].order) == 3
+        assert [c for c in board.calls if c[1] == "init_group"] == [(e.url, "init_group") for e in s], \
+            "no server was asked to join the epoch whose store could not listen"
+    finally:
+        epochs.drop()
+        control.close()
 
 
 # -- the LOST header never lands between a header and its payload ----------------------------------

@@ -23,7 +23,7 @@ from conftest import TINY, serve_every_path
 from fakes import RefuseBeforeReceive
 from helpers import ThreadedServer, Trainer, call, digest, live_version, sglang_config, weights
 
-GROUP = re.compile(r"asyncsync\.[0-9a-f]{8}\.(\d+)")
+GROUP = re.compile(r"asyncsync\.(\d+)\.[0-9a-f]{16}")  # <group_name>.<epoch>.<random>
 
 
 def test_a_restarted_trainer_meets_no_group_or_session_of_the_one_before():
@@ -36,7 +36,7 @@ def test_a_restarted_trainer_meets_no_group_or_session_of_the_one_before():
         assert GROUP.fullmatch(epoch1).group(1) == "1"
         first.fleet.epochs.rebuild()  # a new epoch destroys the group of the one before
         (epoch2,) = groups
-        assert epoch2 == epoch1[:-1] + "2"
+        assert GROUP.fullmatch(epoch2).group(1) == "2" and epoch2 != epoch1
 
         # The first trainer dies in the middle of a version: its group and its session stay behind.
         assert call(server.url, "POST", "/begin_weight_update", {})[0] == 200

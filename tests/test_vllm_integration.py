@@ -34,6 +34,7 @@ from asyncsync.metrics import SyncResult
 from asyncsync.models import ModelConfig, build_model, generate
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import free_port
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.specs import distinct_tensors
 from asyncsync.protocol.wire import BucketMeta, GroupSpec, InitGroupRequest
 from asyncsync.launch.vllm import VllmServer
@@ -181,7 +182,7 @@ def test_hostile_inputs_through_vllms_routes_are_refused_and_vllm_serves_on(vllm
     url = server.url
     tokens, served = greedy(url)
     version = weight_version(url)
-    spec = GroupSpec("127.0.0.1", free_port(), 2, "hostile", "gloo", 5.0)
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "hostile", "gloo", 5.0, key=new_key())
     good_init = InitGroupRequest(spec, 1).to_json()
     answers: dict[str, tuple[int, float]] = {}
 

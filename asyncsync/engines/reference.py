@@ -8,7 +8,7 @@ from asyncsync.engines.base import EngineClient, Generation, Scored, Unsupported
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.shm import HostIdentity
 from asyncsync.protocol.wire import (
-    PROTOCOL_VERSION, ClaimRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest, VersionRequest,
+    PROTOCOL_VERSION, ClaimRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest,
 )
 from asyncsync.control import ServerError
 

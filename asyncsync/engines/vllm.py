@@ -10,8 +10,9 @@ name ``asyncsync`` (``--weight-transfer-config '{"backend": "asyncsync"}'``, wit
                                                           verifies in the background, vLLM keeps generating
     POST /pause?mode=wait&clear_cache=false        policy ``pause``: in-flight requests finish first
                                                    (``mode=keep`` with ``mix_versions``: they freeze)
-    POST /finish_weight_update {"weight_version": "7"}    the worker loads the verified version, or
-                                                          refuses it; vLLM adopts the version's number
+    POST /update_weights {"update_info": {"commit": 7}}   the worker loads the verified version, or
+                                                          refuses it
+    POST /finish_weight_update {"weight_version": "7"}    vLLM ends the session, adopts the number
     POST /reset_prefix_cache?reset_running_requests=true  policy ``reset_prefix_cache``
     POST /resume
     GET  /weight_info                              {"weight_version": "7"}: the live version
@@ -22,7 +23,10 @@ nothing for the whole transfer. Whatever the mode, a trainer that dies or hangs 
 paused does not keep it paused: the worker's pause guard (``receivers/vllm/guard.py``) resumes it
 within seconds, and a version whose load failed on some workers is refused naming the mixed state
 (``receivers/vllm/agreement.py``) while vLLM answers every request with an error until the next
-version loads whole (``receivers/vllm/hold.py``). A failed version is undone by ``abort``: a ``DiscardRequest`` in
+version loads whole (``receivers/vllm/hold.py``). Every ``init_info`` and ``update_info`` carries the
+credential of the server's ``token`` (``protocol.keys.credential``): vLLM's ``--api-key`` does not
+guard these routes, asyncsync's backend does, and ``/finish_weight_update`` (which reaches the worker
+with nothing to check) loads nothing, hence the commit. A failed version is undone by ``abort``: a ``DiscardRequest`` in
 ``/update_weights`` (a version received in the background is dropped, never loaded), then
 ``/finish_weight_update`` without a version, which ends vLLM's update session even after a
 ``finish`` that raised (vLLM's worker then keeps the session open), then ``/resume``.
@@ -56,9 +60,11 @@ from typing import Any
 from asyncsync.config import ServerConfig
 from asyncsync.engines.base import EngineClient, Generation, Phase, Scored, UnsupportedServer, parse_weight_version
 from asyncsync.protocol.arena import vllm_staging
+from asyncsync.protocol.keys import CREDENTIAL_FIELD, credential
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck, parse_version_name
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.schema import Message
+from asyncsync.protocol.wire import CommitRequest, DiscardRequest, GroupSpec, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.control import ServerError
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,7 @@ class VllmEngine(EngineClient):
         self._held_s = 0.0  # of the version in progress: time vLLM's engine was held for it
         self._open = False  # vLLM's worker has an update session open (started, not yet finished)
         self._scale_out: bool | None = None  # whether SCALE_OUT_GENERATE is served (None: not asked yet)
+        self._credential = {CREDENTIAL_FIELD: credential(server.token)} if server.token else {}
         self._weight_versions: bool | None = None  # whether completions report weight_versions (vLLM 0.33)
 
     @property
@@ -114,7 +121,11 @@ class VllmEngine(EngineClient):
         """The worker joins the groups; the URL this client uses goes with them, for the worker's pause
         guard (``receivers/vllm/guard.py``: it resumes a pause this trainer leaves behind if it dies)."""
         init = InitGroupRequest(specs[0], rank_offset, specs[1:], relay=relay, server_url=self.url)
-        await self.http.post("/init_weight_transfer_engine", {"init_info": init.to_json()})
+        await self.http.post("/init_weight_transfer_engine", {"init_info": {**init.to_json(), **self._credential}})
+
+    def _info(self, message: Message) -> dict[str, Any]:
+        """``/update_weights``'s body: ``message`` in the slot's table, with the trainer's credential."""
+        return {"update_info": {**UPDATE_INFO.encode(message), **self._credential}}
 
     async def begin(self, version: int) -> None:
         """Open the update session, then (``in_rpc``) pause: the worker sees the session before any
@@ -164,7 +175,7 @@ class VllmEngine(EngineClient):
         refusal of ``check`` (carried as ``update_info``), or None; vLLM ends the session."""
         await self._start(0)  # no version follows: nothing is paused
         try:
-            await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(check)})
+            await self.http.post("/update_weights", self._info(check))
         except ServerError as e:
             if e.status is None:
                 raise
@@ -185,7 +196,7 @@ class VllmEngine(EngineClient):
 
     async def _post_update(self, update: UpdateRequest | AdapterUpdate) -> None:
         try:
-            await self._holding(self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(update)}))
+            await self._holding(self.http.post("/update_weights", self._info(update)))
         except ServerError as e:
             if e.status is not None:  # the engine raised: vLLM closed the session
                 self._open = False
@@ -197,16 +208,22 @@ class VllmEngine(EngineClient):
 
     async def end_adapter(self, version: int, digests: tuple[str, ...] = ()) -> None:
         """The worker writes the verified adapter (no version: vLLM's weights keep theirs)."""
-        await self._send_digests(version, digests)
+        await self._commit(version, digests)
         await self.http.post("/finish_weight_update")
         self._open = False
 
+    async def _commit(self, version: int, digests: tuple[str, ...]) -> None:
+        """Apply a version received in the background (its load, or its adapter's write), checked against
+        ``digests`` where it was announced with them: an authenticated call (``/finish_weight_update``
+        carries nothing the worker could check)."""
+        if self.receives_in_background:
+            await self._holding(self.http.post("/update_weights", self._info(CommitRequest(version, digests))))
 
     async def end(self, version: int, digests: tuple[str, ...] = ()) -> int:
         try:
-            await self._send_digests(version, digests)
             if self.server.pause and self.receives_in_background:
                 await self._pause()  # only around the load: the transfer is done by now
+            await self._commit(version, digests)
             await self._holding(self.http.post("/finish_weight_update", {"weight_version": str(version)}))
             self._open = False
             if self.server.reset_prefix_cache:
@@ -220,11 +237,6 @@ class VllmEngine(EngineClient):
         self.last_switch_s = self._held_s
         return await self.version()
 
-    async def _send_digests(self, version: int, digests: tuple[str, ...]) -> None:
-        """Before finish: the digests the worker checks the version's buckets against (none: nothing sent)."""
-        if digests:
-            await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(EndRequest(version, digests))})
-
     async def abort(self, version: int) -> None:
         if self._open:
             self._open = False
@@ -234,7 +246,7 @@ class VllmEngine(EngineClient):
     async def _discard(self, version: int) -> None:
         """Drop what the worker received of ``version`` without loading it, then end vLLM's session
         with a finish that has nothing to load (no version: the served version's number stays)."""
-        await self.http.post("/update_weights", {"update_info": UPDATE_INFO.encode(DiscardRequest(version))})
+        await self.http.post("/update_weights", self._info(DiscardRequest(version)))
         await self.http.post("/finish_weight_update")
 
     def calls(self, phase: Phase, buckets: int) -> int:
@@ -243,7 +255,8 @@ class VllmEngine(EngineClient):
         return {
             "begin": 4 + pause * (1 - background),  # start; discard, finish and start again for a session left open
             "update": 1,
-            "end": 3 + pause * (1 + background) + reset,  # [digests], [pause], finish, [reset], [resume], weight_info
+            # [pause], [commit: received in the background], finish, [reset], [resume], weight_info
+            "end": 2 + pause * (1 + background) + reset + background,
             "abort": 3,  # discard, finish, resume
         }.get(phase, 1)
 

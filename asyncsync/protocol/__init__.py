@@ -12,7 +12,9 @@ prometheus_client, the sync worker)::
     sglang     SGLang's weight-update messages and its flattened-bucket layout
     checksum   CRC32C of a bucket, on the host or on the buffer's own device
     group      DataPlaneGroup: join the trainer's process group (gloo or NCCL) and receive broadcasts
-    frames     FrameHeader: the fixed-size header that agrees each payload's length before it moves
+    stream     StreamEdge: a relay edge of host weights, an authenticated TCP stream read with bounded reads
+    keys       the data plane's keys: sealed rendezvous values, proofs of the key, vLLM's payload credential
+    frames     FrameHeader: the fixed-size header that agrees each payload's length before it moves (and its MAC)
     stager     BucketStager: receive a version into flat buffers and verify it before anything is applied,
                the parts below wired together once
     staging    StagingBuffers: where versions land, and what of them the live weights alias

@@ -16,21 +16,23 @@ from collections.abc import Sequence
 
 from asyncsync.protocol.admission import VersionRejected
 from asyncsync.protocol.device import Runtime
-from asyncsync.protocol.group import Abandoner, DataPlaneGroup
-from asyncsync.protocol.relay import Edges
+from asyncsync.protocol.group import Abandoner
+from asyncsync.protocol.relay import Edge, Edges
+from asyncsync.protocol.stream import join_member
 from asyncsync.protocol.wire import GroupSpec, WireError
 
 
 class JoinedGroups:
     """The data-plane groups one receiver is a member of, joined and left together.
 
-    ``groups``: the trainer's, group i trainer rank i's; ``relay``: the edges to the servers below
-    this one. ``join_route`` is named in every error that asks the trainer to join again.
+    ``groups``: the trainer's, group i trainer rank i's (a relayed server's one group is its edge
+    from the server above: a ``protocol.stream.StreamEdge`` for host weights); ``relay``: the edges
+    to the servers below this one. ``join_route`` is named in every error that asks the trainer to join again.
     ``abandoner`` lets another thread give up a join that hangs on a silent peer."""
 
     def __init__(self, runtime: Runtime, join_route: str, abandoner: Abandoner | None = None):
         self.runtime, self.join_route, self.abandoner = runtime, join_route, abandoner
-        self.groups: list[DataPlaneGroup] = []
+        self.groups: list[Edge] = []
         self.relay = Edges()
 
     def join(self, specs: GroupSpec | Sequence[GroupSpec], rank: int, warmup: bool = True,
@@ -44,18 +46,18 @@ class JoinedGroups:
         self.leave()
         try:
             for spec in specs:
-                self.groups.append(DataPlaneGroup.join(spec, rank, self.runtime, warmup, self.abandoner))
+                self.groups.append(join_member(spec, rank, self.runtime, warmup, self.abandoner))
             self.relay.join(relay, self.runtime, warmup, self.abandoner)
         except BaseException:
             self.leave()
             raise
 
     @property
-    def group(self) -> DataPlaneGroup | None:
+    def group(self) -> Edge | None:
         """The first group (trainer rank 0's): the only one of an unsharded trainer."""
         return self.groups[0] if self.groups else None
 
-    def require(self) -> DataPlaneGroup:
+    def require(self) -> Edge:
         """The first group; ``VersionRejected`` naming ``join_route`` when none was joined."""
         if not self.groups:
             raise VersionRejected(f"no data-plane group: call {self.join_route} before sending updates")
@@ -71,9 +73,11 @@ class JoinedGroups:
 
 
 def _check_backends(specs: Sequence[GroupSpec], runtime: Runtime) -> None:
-    """``WireError`` when a group's backend is not the one weights on ``runtime``'s device take."""
+    """``WireError`` when a group's backend is not the one weights on ``runtime``'s device take (a
+    stream carries host weights, as gloo does)."""
+    takes = {runtime.wire_backend, "stream"} if runtime.wire_backend == "gloo" else {runtime.wire_backend}
     for spec in specs:
-        if spec.backend != runtime.wire_backend:
+        if spec.backend not in takes:
             raise WireError(f"the trainer's group uses {spec.backend}, but this server's weights are on "
                             f"{runtime.device}, which take {runtime.wire_backend}: use backend: auto on "
                             "the trainer, or serve the model on the trainer's kind of device")

@@ -4,7 +4,8 @@
 module receives it, in the order the trainer sends (``transport/datapath.py``): for each
 payload (a bucket, or its delta, then the checksum manifest) first its frame header, checked against
 the announcement before the payload's receive is posted (a member that would send more than was
-announced is refused, not aborted on), then the payload itself, while the payload before it is
+announced is refused, not aborted on; its MAC, where the group is keyed, opened by the group's
+``seal``), then the payload itself, while the payload before it is
 checksummed, rebuilt from its delta or copied out of the device ring, and forwarded to the
 servers below this one where it relays (``protocol.relay``). With ``req.digest`` each bucket is
 also hashed as it lands (``protocol.digest``: the rebuilt bucket of a delta), for ``end`` to compare
@@ -16,6 +17,7 @@ judged before the bytes are really in the buffers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,8 +27,7 @@ from asyncsync.protocol.delta import DeltaError, delta_word, rebuild
 from asyncsync.protocol.digest import bucket_digest
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, empty_header
-from asyncsync.protocol.group import DataPlaneGroup, Work
-from asyncsync.protocol.relay import Forward
+from asyncsync.protocol.relay import Edge, Forward
 from asyncsync.protocol.specs import Bucket
 from asyncsync.protocol.wire import UpdateRequest
 
@@ -50,7 +51,7 @@ class FramedReceive:
     ``DataPlaneError``: the caller must then leave the groups (their collectives are out of step).
     Pending works live only in ``run``'s frame, so none outlives the exception that ends it."""
 
-    def __init__(self, req: UpdateRequest, groups: Sequence[DataPlaneGroup], runtime: Runtime,
+    def __init__(self, req: UpdateRequest, groups: Sequence[Edge], runtime: Runtime,
                  ring: DeviceRing | None, buffers: Sequence[torch.Tensor], buckets: tuple[Bucket, ...],
                  base: Sequence[torch.Tensor] | None, problems: list[str], forward: Forward | None = None):
         self.req, self.groups, self.runtime, self.ring = req, groups, runtime, ring
@@ -73,7 +74,7 @@ class FramedReceive:
         req, payloads = self.req, self.payloads
         frames = self.forward.frames  # the announcement's, computed once per version
         header = self._post_header(0)
-        landing: tuple[DataPlaneGroup, Work] | None = None  # the payload before the current one
+        landing: tuple[Edge, Any] | None = None  # the payload before the current one
         for i, payload in enumerate(payloads):
             on = self.groups[req.source(i)]
             if landing is not None:  # the payload before goes down as soon as it landed (a relay)
@@ -131,7 +132,7 @@ class FramedReceive:
             self.problems.append(f"bucket {index}'s delta does not decode: {e}")
             return None
 
-    def _post_header(self, index: int) -> tuple[DataPlaneGroup, Work, torch.Tensor]:
+    def _post_header(self, index: int) -> tuple[Edge, Any, torch.Tensor]:
         """Post the receive of frame ``index``'s header, on the group its payload arrives on. Its
         deadline covers the previous frame's payload too, which the sender broadcasts before it."""
         group = self.groups[self.req.source(index)]
@@ -142,6 +143,6 @@ class FramedReceive:
         return group, group.broadcast_async(buf, deadline), buf
 
     @staticmethod
-    def _header(group: DataPlaneGroup, work: Work, buf: torch.Tensor) -> FrameHeader | None:
+    def _header(group: Edge, work: Any, buf: torch.Tensor) -> FrameHeader | None:
         group.wait(work)
-        return FrameHeader.parse(buf)
+        return group.seal.open(buf)

@@ -1,15 +1,20 @@
 """A relaying receiver's part: every payload of a version it receives, on to the servers below it.
 
 With ``fanout`` other than ``direct`` the trainer plans a tree over its servers (``transport.relay``).
-Each tree edge is a two-rank data-plane group, the upper server its rank 0. A server with servers
-below it forwards each payload (a bucket, its delta, then the checksum manifest) into every edge as
-soon as the payload has landed, frame header first, exactly as the trainer sent it, while the next
-payload is still arriving: a version crosses each link once, pipelined per bucket.
+Each tree edge has two ranks, the upper server its rank 0: for host weights an authenticated TCP
+stream the server below reads with bounded, checked reads (``protocol.stream``: no upper end can
+make it abort), for CUDA weights a two-rank NCCL group (written, never run here: no GPU). A server
+with servers below it forwards each payload (a bucket, its delta, then the checksum manifest) into
+every edge as soon as the payload has landed, frame header first (sealed for that edge, as the
+trainer sealed it for its group), while the next payload is still arriving: a version crosses each
+link once, pipelined per bucket.
 
 Nothing is forwarded before it arrived whole (a wait returns only once the bytes are in the buffer),
-and nothing is judged on the way: each server below verifies every bucket itself against the
-trainer's manifest, which travels the same way, so a hop that corrupts a bucket is refused by every
-server below it. An edge that fails (the server below died, or missed a deadline) is dropped and
+and nothing is judged on the way: each server below verifies every bucket itself, against the
+CRC32C manifest that travels the same way (what a faulty link or buffer changes) and, with
+``digest``, against the trainer's digests, which reach each server over its own control channel (what
+a relay that forges a bucket and its manifest changes: ``protocol.digest``), so a hop that corrupts
+a bucket is refused by every server below it. An edge that fails (the server below died, or missed a deadline) is dropped and
 never fails the version of the server above: the trainer hears of the loss from the servers below
 (no answer, or a failed update) and sends them the version again (``transport.send``). Likewise an
 edge that cannot form at ``init_group`` (the server below unreachable from this one) is left out
@@ -24,6 +29,7 @@ another parent (``transport.relay.Relays.blame``).
     edges.wait_forwards()     # before the buffers are received into again: every forward done or
                               # failed (a failed edge is closed and dropped)
     edges.close(broken)       # leaving the epoch; after a failure the servers below hear it is lost
+                              # (a stream's end is the news itself; an NCCL edge gets a LOST header)
 """
 
 from __future__ import annotations
@@ -31,13 +37,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import VersionFrames
-from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup, Work
+from asyncsync.protocol.group import Abandoner, DataPlaneError, DataPlaneGroup
+from asyncsync.protocol.stream import StreamEdge, join_member
 from asyncsync.protocol.wire import GroupSpec
+
+Edge = DataPlaneGroup | StreamEdge
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +67,26 @@ class Forward:
     and its payload: the server below would take the payload for a header, which gloo answers by
     aborting it; and the edges are never changed while the other goes through them."""
 
-    def __init__(self, edges: Sequence[DataPlaneGroup], frames: VersionFrames, runtime: Runtime,
+    def __init__(self, edges: Sequence[Edge], frames: VersionFrames, runtime: Runtime,
                  in_flight: int | None = None):
         self.edges = list(edges)
         self.frames, self.runtime, self.in_flight = frames, runtime, in_flight
-        self._pending: list[list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]] = []
+        self._pending: list[list[tuple[Edge, Any, Any, torch.Tensor]]] = []
         self._lock = threading.RLock()
 
     def send(self, index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
-        """Forward payload ``index`` (landed whole) into every edge still up, after its frame header."""
+        """Forward payload ``index`` (landed whole) into every edge still up, after its frame header
+        (sealed for each edge)."""
         if not self.edges:
             return
-        header = self.runtime.upload(self.frames.header(index, payload).tensor())
+        header = self.frames.header(index, payload)
         sent = []
         with self._lock:
             for edge in list(self.edges):
+                sealed = self.runtime.upload(edge.seal.tensor(header))
                 try:
-                    sent.append((edge, edge.broadcast_async(header, deadline_s),
-                                 edge.broadcast_async(payload, deadline_s), header))
+                    sent.append((edge, edge.broadcast_async(sealed, deadline_s),
+                                 edge.broadcast_async(payload, deadline_s), sealed))
                 except DataPlaneError as e:
                     self._drop(edge, e)
             self._pending.append(sent)
@@ -97,23 +109,33 @@ class Forward:
 
     def abandon(self, lost: bool) -> None:
         """Close every edge and let go of every forward in flight. ``lost``: this server's receive
-        failed, so each server below is first sent a frame header that says so
-        (``VersionFrames.lost``), after the forwards already in flight: it refuses the version at
-        once and does the same below it. (A gloo receive fails at once when its peer dies, but not
-        when the peer only aborts its group, whose connections stay open while anything holds it:
-        without that header the servers below would wait out their deadlines.)"""
-        header = self.runtime.upload(self.frames.lost().tensor()) if lost else None
+        failed, so each server below must hear the version is lost at once and do the same below it.
+        A stream's end is that news (the read below fails the moment it is shut). An NCCL edge is
+        first sent a frame header that says so (``VersionFrames.lost``), after the forwards already
+        in flight, on every edge at once and waited for together, at most ``LOST_S``: a group's
+        receive does not fail when its peer only aborts the group, whose connections stay open
+        while anything holds it, and the servers below would wait out their deadlines. The edges are
+        taken first, under the lock: a send failing meanwhile on another thread drops none."""
+        header = self.frames.lost() if lost else None
         with self._lock:
             edges, self.edges, self._pending = self.edges, [], []
+            told = []
             for edge in edges:
-                if header is not None:
+                if header is not None and isinstance(edge, DataPlaneGroup):
                     try:
-                        edge.wait(edge.broadcast_async(header, LOST_S))
+                        told.append((edge, edge.broadcast_async(self.runtime.upload(edge.seal.tensor(header)),
+                                                                LOST_S)))
                     except DataPlaneError as e:  # that server is gone already
                         log.debug("relay edge %s: %s", edge.spec.group_name, e)
+            for edge, work in told:
+                try:
+                    edge.wait(work)
+                except DataPlaneError as e:
+                    log.debug("relay edge %s: %s", edge.spec.group_name, e)
+            for edge in edges:
                 edge.close(broken=True)
 
-    def _wait_for(self, sent: list[tuple[DataPlaneGroup, Work, Work, torch.Tensor]]) -> None:
+    def _wait_for(self, sent: list[tuple[Edge, Any, Any, torch.Tensor]]) -> None:
         for edge, header, payload, _ in sent:
             if edge not in self.edges:
                 continue
@@ -124,10 +146,10 @@ class Forward:
                 with self._lock:
                     self._drop(edge, e)
 
-    def _drop(self, edge: DataPlaneGroup, error: Exception) -> None:
+    def _drop(self, edge: Edge, error: Exception) -> None:
         """The server below is lost for this epoch; this server's own version goes on (called with
         the lock held)."""
-        if edge not in self.edges:  # abandoned meanwhile
+        if edge not in self.edges:  # abandoned meanwhile (a cancel on another thread)
             return
         self.edges.remove(edge)
         edge.close(broken=True)
@@ -141,12 +163,12 @@ class Edges:
     version's ``Forward`` goes over the edges still up, and is waited for before the next one."""
 
     def __init__(self) -> None:
-        self.groups: list[DataPlaneGroup] = []
+        self.groups: list[Edge] = []
         self._last: Forward | None = None  # kept once done: a failure before the next version's frames uses it
 
     def join(self, specs: Sequence[GroupSpec], runtime: Runtime, warmup: bool = True,
              abandoner: Abandoner | None = None) -> list[str]:
-        """Join each edge as its rank 0 (the trainer runs their rendezvous stores), best effort: an
+        """Join each edge as its rank 0 (their rendezvous is in the trainer's store), best effort: an
         edge that cannot form (the server below dead, or unreachable from here) is left out and
         logged, never this server's failure, which would evict a healthy server with its child; the
         server below fails its own join, and the trainer plans it below another parent. A join
@@ -156,7 +178,7 @@ class Edges:
         failed = []
         for spec in specs:
             try:
-                self.groups.append(DataPlaneGroup.join(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+                self.groups.append(join_member(spec, 0, runtime, warmup, abandoner, hosts_store=False))
             except DataPlaneError as e:
                 if abandoned():
                     raise

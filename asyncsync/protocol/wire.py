@@ -16,7 +16,7 @@ so a hostile request can neither crash a receiver nor make it answer with its ow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from asyncsync.protocol.schema import (  # WireError, shown and sane_text are imported from here too
@@ -24,12 +24,15 @@ from asyncsync.protocol.schema import (  # WireError, shown and sane_text are im
     WireError, is_int, read, sane_text, shown,
 )
 from asyncsync.protocol.digest import DIGEST_CHARS, valid_digest
+from asyncsync.protocol.keys import KEY_HEX, is_key
 from asyncsync.protocol.shm import ALIGN, HostIdentity, valid_segment_name
 from asyncsync.protocol.specs import Bucket, TensorSpec, dtype_from_name, dtype_name
 
 # The data plane's framing, agreed at /init_group (``InitGroupRequest.protocol``): 1 was bare payloads
-# (asyncsync before frame headers); 2 sends a fixed-size header before every payload (``protocol.frames``).
-PROTOCOL_VERSION = 2
+# (asyncsync before frame headers); 2 sends a fixed-size header before every payload (``protocol.frames``);
+# 3 keys every group (``GroupSpec.key``): sealed rendezvous values, a proof of the key when a group forms,
+# a MAC in every frame header, and relay edges of host weights as authenticated streams (``protocol.stream``).
+PROTOCOL_VERSION = 3
 
 # Limits of what a message may carry: generous for any real model, small enough that nothing a
 # receiver derives from them (a timedelta, an int64, a tensor size) can overflow.
@@ -85,10 +88,22 @@ def _resolvable(host: str) -> bool:
     return True
 
 
+def _no_key_or_key(value: Any) -> bool:
+    return value == "" or is_key(value)
+
+
 @dataclass(frozen=True)
 class GroupSpec(Message):
     """Everything a member needs to join a data-plane group: where the rendezvous store is, how many
-    ranks, the group's name (the store prefix), the backend and the deadline of every collective."""
+    ranks, the group's name (the store prefix), the backend and the deadline of every collective.
+
+    ``backend``: ``gloo`` or ``nccl`` (a torch process group), or ``stream``: a relay edge of host
+    weights, two ranks over one authenticated TCP stream (``protocol.stream``), which a receiver
+    reads with bounded, checked reads (gloo aborts a process that is sent more than it posted).
+
+    ``key`` (protocol 3): the group's data-plane key (``protocol.keys``), drawn by the trainer per
+    group and epoch and carried only in the token-checked ``/init_group``; never shown in a repr.
+    Without one (SGLang's groups, whose code is fixed) the group is not keyed."""
 
     WHERE = "group"
     host: Annotated[str, Text(MAX_HOST_CHARS, HOST_RULE, spaces=False), Check(_resolvable, HOST_RULE)]
@@ -96,8 +111,14 @@ class GroupSpec(Message):
     world_size: Annotated[int, Between(2, MAX_WORLD_SIZE, "a group needs the trainer and at least one receiver (at "
                                                           f"most {MAX_WORLD_SIZE} ranks), got {{got}}")]
     group_name: Annotated[str, Text(MAX_GROUP_NAME_CHARS)]
-    backend: Literal["gloo", "nccl"]
+    backend: Literal["gloo", "nccl", "stream"]
     timeout_s: Seconds
+    key: Annotated[str, OMIT, Check(_no_key_or_key, f"expected {KEY_HEX} lowercase hex digits")] = \
+        field(default="", repr=False)
+
+    def rules(self) -> None:
+        if self.backend == "stream" and self.world_size != 2:
+            raise WireError(f"world_size: a stream is a relay edge of two ranks, got {self.world_size}")
 
 
 @dataclass(frozen=True)
@@ -287,6 +308,23 @@ class DiscardRequest(Message):
     version: Annotated[Version, Key("discard")]
 
 
+# Every bucket's digest as the trainer computed it (``protocol/digest.py``), in broadcast order.
+Digests = Annotated[tuple[str, ...], Items(0, MAX_BUCKETS), OMIT, Each(Check(
+    valid_digest, f"expected digests of {DIGEST_CHARS} lower-case hex characters, got {{got}}"))]
+
+
+@dataclass(frozen=True)
+class CommitRequest(Message):
+    """Apply ``version``, received and verified in the background (``UpdateRequest.receive``): the
+    trainer's end of such a version, with its ``digests`` where it was announced with ``digest`` (it
+    is applied only if its buckets hash to exactly these). Carried where an ``UpdateRequest`` would be
+    (vLLM's ``update_info``, whose payloads carry the trainer's credential), not in vLLM's
+    ``/finish_weight_update``, which reaches the worker with nothing to authenticate."""
+
+    version: Annotated[Version, Key("commit")]
+    digests: Digests = ()
+
+
 def _spec(value: Any, path: Path, reading: Any) -> TensorSpec:
     """A tensor spec sent as ``[name, dtype, [sizes...]]`` (a ``LayoutCheck``'s, an adapter's),
     each part bounded and validated before a ``TensorSpec`` is made of it."""
@@ -326,14 +364,12 @@ class VersionRequest(Message):
 
 @dataclass(frozen=True)
 class EndRequest(Message):
-    """``end``: commit ``version``. With ``digests`` (a version announced with ``digest``), every
-    bucket's digest as the trainer computed it (``protocol/digest.py``), in broadcast order: the
+    """``end``: commit ``version``. With ``digests`` (a version announced with ``digest``): the
     receiver commits the version only if the buckets it holds hash to exactly these."""
 
     WHERE = "end"
     version: Version
-    digests: Annotated[tuple[str, ...], Items(0, MAX_BUCKETS), OMIT, Each(Check(
-        valid_digest, f"expected digests of {DIGEST_CHARS} lower-case hex characters, got {{got}}"))] = ()
+    digests: Digests = ()
 
 
 @dataclass(frozen=True)
@@ -346,10 +382,13 @@ class InitGroupRequest(Message):
     without it comes from an asyncsync that sends bare payloads. Any other than this receiver's is
     refused here, before the rendezvous, so no payload of a foreign framing ever reaches the group.
 
-    ``relay`` (``fanout`` other than ``direct``): one two-rank group per server this one forwards to,
-    in which it is rank 0 and the server below it rank 1. Their rendezvous stores are the trainer's
-    (a trainer cannot pick a free port on another host), so this server joins them as a client. A
-    relaying server forwards every payload it receives, frame header first, as it lands.
+    ``relay`` (``fanout`` other than ``direct``): one two-rank edge per server this one forwards to,
+    in which it is rank 0 and the server below it rank 1: a ``stream`` for host weights (a gloo
+    group), NCCL for CUDA weights. Their rendezvous is in the trainer's store (a trainer cannot pick
+    a free port on another host), so this server joins as a client. A relaying server forwards every
+    payload it receives, frame header first, as it lands.
+
+    Every group and edge carries its data-plane key (``GroupSpec.key``): the only place a key travels.
 
     ``server_url``: the URL this trainer reaches the server at, where the server needs its own API
     (vLLM's pause guard resumes an engine whose trainer died while it was paused:
@@ -381,10 +420,17 @@ class InitGroupRequest(Message):
         if self.relay and self.more_groups:
             raise WireError("relay: a server relays only the versions of a trainer that sends from one rank "
                             "(more_groups names other sending ranks)")
+        edge = "nccl" if self.group.backend == "nccl" else "stream"
         for i, g in enumerate(self.relay):
-            if g.world_size != 2 or g.backend != self.group.backend:
-                raise WireError(f"relay[{i}]: a relay edge is a {self.group.backend} group of two ranks, got "
-                                f"{g.backend} with {shown(g.world_size)}")
+            if g.world_size != 2 or g.backend != edge:
+                raise WireError(f"relay[{i}]: a relay edge below a {self.group.backend} group is a {edge} of two "
+                                f"ranks, got {g.backend} with {shown(g.world_size)}")
+        where = [("group", self.group), *((f"more_groups[{i}]", g) for i, g in enumerate(self.more_groups)),
+                 *((f"relay[{i}]", g) for i, g in enumerate(self.relay))]
+        for path, g in where:
+            if not g.key:
+                raise WireError(f"{path}.key: data-plane protocol {PROTOCOL_VERSION} keys every group; the trainer "
+                                "sends each group's key here (an asyncsync that sends none is of another release)")
 
 
 # -- which trainer owns a receiver -------------------------------------------------------------------

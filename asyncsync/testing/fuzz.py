@@ -42,6 +42,7 @@ from asyncsync.models import ModelConfig, generate
 from asyncsync.protocol.checksum import crc32c_of
 from asyncsync.protocol.frames import FrameHeader, VersionFrames, plan_hash
 from asyncsync.protocol.group import free_port
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.shm import SHM_DIR
 from asyncsync.protocol.wire import MAX_ERROR_CHARS, BucketMeta, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference.app import ReferenceServer
@@ -259,7 +260,7 @@ async def _flood(port: int, probes: list[Probe], concurrency: int) -> tuple[list
             await asyncio.sleep(1.0)
             health.append(await exchange(port, Probe("janitor", "POST", "/init_group", dumps(abandoning))))
 
-    abandoning = InitGroupRequest(GroupSpec("127.0.0.1", free_port(), 2, "janitor", "gloo", 0.2), 1).to_json()
+    abandoning = InitGroupRequest(GroupSpec("127.0.0.1", free_port(), 2, "janitor", "gloo", 0.2, key=new_key()), 1).to_json()
     watching = [asyncio.create_task(prober()), asyncio.create_task(janitor())]
     outcomes = await asyncio.gather(*(one(p) for p in probes))
     done.set()
@@ -385,8 +386,8 @@ def data_plane_lies(url: str, named: dict[str, torch.Tensor], version: int) -> d
         finally:
             rogue.close()
         out[name] = {"status": status, "seconds": round(took, 3), "answer": str((body or {}).get("error", ""))[:160]}
-    old = {k: v for k, v in InitGroupRequest(GroupSpec("127.0.0.1", free_port(), 2, "old", "gloo", 30.0), 1)
-           .to_json().items() if k != "protocol"}
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "old", "gloo", 30.0, key=new_key())
+    old = {k: v for k, v in InitGroupRequest(spec, 1).to_json().items() if k != "protocol"}
     start = time.monotonic()
     status, body = http_call(url, "POST", "/init_group", old, TOKEN, OWNER)
     out["trainer_of_another_protocol"] = {"status": status, "seconds": round(time.monotonic() - start, 3),

@@ -29,6 +29,7 @@ import torch
 
 from asyncsync.protocol import sglang
 from asyncsync.protocol.digest import DIGEST_CHARS
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.lora import (
     LORA_ROOT, PEFT_PREFIX, AdapterCheck, AdapterUpdate, AdapterVersion, BaseCheck, tensor_crc,
 )
@@ -167,7 +168,8 @@ class Context:
         shm = SharedVersion(self.segment, offsets, tuple(range(len(metas))), host)
         return {
             UpdateRequest: UpdateRequest(9, metas, True, (0.5,) * len(metas), shm=shm),
-            InitGroupRequest: InitGroupRequest(GroupSpec("127.0.0.1", self.silent_port, 2, "fuzz", "gloo", 0.3), 1),
+            InitGroupRequest: InitGroupRequest(GroupSpec("127.0.0.1", self.silent_port, 2, "fuzz", "gloo", 0.3,
+                                                         key=new_key()), 1),
             VersionRequest: VersionRequest(9), EndRequest: EndRequest(9, ("0" * DIGEST_CHARS,) * len(metas)),
             ClaimRequest: ClaimRequest(OWNER), LayoutCheck: LayoutCheck(plan.specs),
             sglang.InitWeightsUpdateGroup: sglang.InitWeightsUpdateGroup("127.0.0.1", self.refused_port, 1, 2, "fz", "gloo"),

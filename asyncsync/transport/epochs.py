@@ -1,8 +1,10 @@
 """Epochs: the data-plane groups over the servers of a book, formed again whenever the servers change.
 
-An epoch (``Epoch``, a value) is one set of data-plane groups over one set of servers (group name
-``<group_name>.<token>.<epoch>``, ``token`` the random part of the trainer session, so that a
-restarted trainer never reuses a name a server still holds; fresh ports after the first epoch).
+An epoch (``Epoch``, a value) is one set of data-plane groups over one set of servers (group names
+``<group_name>.<epoch>.<random>``: no answer shows them and a restarted trainer never reuses one a
+server still holds; each group's key is drawn with it: ``transport.topology.GroupLayout``). Every
+epoch meets in the session's one rendezvous store (``RendezvousStore``, made at the first form,
+closed by ``close``), each group in its own namespace.
 ``Epochs.form`` makes one in four steps::
 
     claim    ask each candidate its data-plane ranks and whose shared memory it sees, and claim it
@@ -41,11 +43,11 @@ from asyncsync.transport.book import ServerBook
 from asyncsync.transport.commands import Formed, NewEpoch
 from asyncsync.transport.kinds import VersionKind
 from asyncsync.transport.relay import Relays, RelayTree, failed_edges
-from asyncsync.transport.topology import GroupLayout, TrainerGroups
+from asyncsync.transport.topology import GroupLayout, RendezvousStore, TrainerGroups
 
 log = logging.getLogger(__name__)
 
-RETRIES = 2  # a formation that failed only by a port taken meanwhile, or by relay edges, is tried again this often
+RETRIES = 2  # a formation that failed only by relay edges, or a store that could not listen, is tried again this often
 PROBE_S = 5.0  # a readmission probe's deadline: a health check answers in milliseconds; a host that has not
 # answered by then is not back (a black-holed one would otherwise hold the version's start for http_s)
 
@@ -79,11 +81,11 @@ class Epochs:
     """The epochs of one sender's servers (the module doc); ``current`` is the one versions go to."""
 
     def __init__(self, config: WeightSyncConfig, control: ControlLoop, engines: Sequence[EngineClient],
-                 book: ServerBook, runtime: Runtime, ranks: TrainerRanks, kind: VersionKind, session: str,
+                 book: ServerBook, runtime: Runtime, ranks: TrainerRanks, kind: VersionKind,
                  sources: int = 1, buckets: int = 1):
         self.config, self.control, self.engines, self.book = config, control, tuple(engines), book
-        self.token = session.rsplit(":", 1)[-1]  # the random part of the trainer session: names its groups
         self.runtime, self.ranks, self.kind, self.sources, self.buckets = runtime, ranks, kind, sources, buckets
+        self.store: RendezvousStore | None = None  # the session's rendezvous store, from the first form on
         self.current = Epoch()
         self.relays = Relays()  # the servers' order in every relay tree, across epochs
         self.conflicts: dict[str, str] = {}  # of the last form: servers another trainer session owns
@@ -101,7 +103,7 @@ class Epochs:
         (``takeover``: even from a live owner), in config order; evict the others (with
         ``refuse_unsupported``, raise ``UnsupportedServer`` for a server that can never join). A relay
         edge that fails to form evicts neither of its servers: they are kept apart (``blame``) and
-        the groups formed again, as after a port taken meanwhile (at most ``RETRIES`` times)."""
+        the groups formed again, as after a store that could not listen (at most ``RETRIES`` times)."""
         self.drop()
         self.conflicts = {}
         alive = self._claim(list(candidates), refuse_unsupported, takeover)
@@ -127,8 +129,8 @@ class Epochs:
             if group is not None:
                 group.close(broken=True)
             if len(still) == len(wired):  # everyone answered, or no one was asked, yet the groups did not form
-                if retries and (edges or layout is None or "EADDRINUSE" in failed_here):
-                    retries -= 1  # on fresh ports, and around the edges that failed
+                if retries and (edges or layout is None):
+                    retries -= 1  # around the edges that failed, or a store that could not listen
                     continue
                 for e in wired:
                     self.book.unreachable(e.url, f"could not form the data-plane group: {failed_here or answers[e.url]!r}")
@@ -192,28 +194,29 @@ class Epochs:
         return self._drop_unreachable(alive, claims)
 
     def _layout(self, number: int, wired: list[EngineClient]) -> GroupLayout:
+        """Epoch ``number``'s groups over ``wired``, in the session's store (made now if it is not yet:
+        ``DataPlaneError`` when it cannot listen)."""
         cfg = self.config
-        # Later epochs take fresh ports: the previous epoch's store may still hold a configured one.
-        epoch_cfg = cfg.replace(group_name=f"{cfg.group_name}.{self.token}.{number}",
-                                master_port=cfg.master_port if number == 1 else 0)
+        if self.store is None:  # its waits: as long as a group's rendezvous may take (each group's own timeout)
+            self.store = RendezvousStore(cfg.master_addr, cfg.master_port, cfg.deadlines.collective_s)
         self.relays.forget(self.book.evicted())  # an evicted server comes back as a leaf
         relays = self.relays
-        return GroupLayout.of(epoch_cfg, wired, self.book.ranks(), self.runtime, self.sources, self.buckets,
-                              relays.seniority, relays.apart, relays.direct)
+        return GroupLayout.of(cfg.replace(group_name=f"{cfg.group_name}.{number}"), wired, self.book.ranks(),
+                              self.runtime, self.sources, self.buckets, relays.seniority, relays.apart, relays.direct,
+                              port=self.store.port)
 
     def _join(self, number: int, wired: list[EngineClient]
               ) -> tuple[GroupLayout | None, TrainerGroups | None, dict[str, Any], str]:
-        """Plan epoch ``number``'s groups and run its relay edges' stores; then every server joins
-        concurrently while this rank joins as rank 0 (the other trainer ranks join theirs). Returns
-        the layout (None: the trainer could not plan it or run its stores, and no server or rank was
-        asked), the trainer's groups (None: they did not form), every server's answer, and what
-        failed on the trainer's side ('' when nothing did)."""
+        """Plan epoch ``number``'s groups (in the session's store, made now if it is not yet); then
+        every server joins concurrently while this rank joins as rank 0 (the other trainer ranks join
+        theirs). Returns the layout (None: the trainer could not plan it or its store cannot listen,
+        and no server or rank was asked), the trainer's groups (None: they did not form), every
+        server's answer, and what failed on the trainer's side ('' when nothing did)."""
         cfg = self.config
         resolve_backend(cfg.backend, self.runtime)  # a backend the weights cannot take is the caller's error: raised
         try:
-            layout = self._layout(number, wired)  # its free ports: none when out of file descriptors
-            stores = layout.relay_stores()  # before any server is asked: a port taken meanwhile costs nothing
-        except DataPlaneError as e:
+            layout = self._layout(number, wired)
+        except DataPlaneError as e:  # the store cannot listen (its port taken, out of file descriptors)
             log.warning("epoch %d could not be planned: %s", number, e)
             return None, None, {}, str(e)
         self.ranks.from_leader(NewEpoch([layout.specs_for(r) for r in range(self.ranks.world)]))
@@ -221,7 +224,7 @@ class Epochs:
         group: TrainerGroups | None = None
         failed = ""
         try:
-            group = layout.join(stores=stores)  # returns once every server's ranks joined
+            group = layout.join(store=self.store)  # returns once every server's ranks joined
         except DataPlaneError as e:
             log.warning("epoch forming failed: %s", e)
             failed = str(e)
@@ -340,3 +343,10 @@ class Epochs:
         if self.current.group is not None:
             self.current.group.close(broken)
         self.current = replace(self.current, group=None, trees=())
+
+    def close(self) -> None:
+        """Abandon the current epoch and stop the session's rendezvous store."""
+        self.drop()
+        if self.store is not None:
+            self.store.close()
+            self.store = None

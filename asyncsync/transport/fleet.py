@@ -65,7 +65,7 @@ def session_prefix() -> str:
 
 def new_session() -> str:
     """A trainer session id (one per ``WeightSync``): the random part tells apart two syncs in one
-    process, and names the session's data-plane groups."""
+    process (no group is named after it: a 423 answer shows it)."""
     return session_prefix() + secrets.token_hex(4)
 
 
@@ -88,7 +88,7 @@ class Fleet:
         # A sharded trainer's other ranks form every epoch with rank 0 (transport.follower); with
         # ``spread`` each of them owns buckets and gets groups of its own with the servers.
         self.ranks = ranks or TrainerRanks()
-        self.session = session or new_session()  # sent with every call; its random part names the groups
+        self.session = session or new_session()  # sent with every call
         self.engines: tuple[EngineClient, ...] = tuple(make_engine(s, config.deadlines.http_s, self.session)
                                                        for s in config.servers)
         multi = all(e.protocol.multi_group for e in self.engines)
@@ -96,7 +96,7 @@ class Fleet:
         self.book = ServerBook([e.url for e in self.engines], metrics)
         self.pool: SegmentPool | None = None  # the shared-memory segments same-host servers map (``lease``)
         self.pace = BroadcastPace(config.deadlines)  # the data plane's measured rate, across epochs
-        self.epochs = Epochs(config, control, self.engines, self.book, runtime, self.ranks, WEIGHTS, self.session,
+        self.epochs = Epochs(config, control, self.engines, self.book, runtime, self.ranks, WEIGHTS,
                              self.sources, buckets)
 
     @classmethod
@@ -200,7 +200,7 @@ class Fleet:
                 self.control.run(gather(self.engines, release_and_close), timeout=10)
             except Exception as e:  # closing is best effort: the sockets go with the process anyway
                 log.warning("closing the control-plane sessions failed: %s", e)
-        self.epochs.drop()
+        self.epochs.close()
 
 
 def lowest_member_version(fleets: Iterable[Fleet], default: int) -> int:

@@ -4,8 +4,12 @@ Servers take part in a group according to their engine's ``DataPlaneProtocol``: 
 (the reference server, asyncsync's vLLM backend) warm the group up and verify a CRC32C manifest after
 the last bucket; SGLang does neither. A collective has to be the same on every rank, so each protocol
 gets a group of its own: one group when every server speaks the same protocol, and the trainer
-broadcasts each bucket once per group when a config mixes them. Groups are built with the same store
-layout (SGLang's), on one port each: ``master_port`` + i when a port is configured, free ports otherwise.
+broadcasts each bucket once per group when a config mixes them. Every group of the trainer's, and
+every relay edge, rendezvouses in one store the trainer runs for its whole session
+(``RendezvousStore``, bound to ``master_addr`` only, on ``master_port`` or a free port), each in a
+namespace of its own with SGLang's key layout: the group's name, ``<group_name>.<epoch>.<random>``,
+whose random part travels only in the token-checked ``/init_group``. asyncsync's groups and edges
+are keyed (``GroupSpec.key``, drawn here per group and epoch: ``protocol.keys``); SGLang's cannot be.
 
 A sharded trainer whose ranks own buckets (``sources`` > 1) gets, for each protocol whose receivers
 can join several groups, one group per owning trainer rank: trainer rank r is rank 0 of its own group
@@ -14,13 +18,14 @@ bucket crosses only from its owner to the servers. SGLang joins one group: its b
 
 With ``fanout`` other than ``direct`` (one sending trainer rank), a protocol's servers that relay
 (asyncsync's, one data-plane rank each) form a tree (``transport.relay``): the trainer's group holds
-only the tree's root (and the servers that cannot relay), and every edge below is a two-rank group
-whose rendezvous store the trainer runs (``RelayStores``), since it cannot pick free ports elsewhere.
+only the tree's root (and the servers that cannot relay), and every edge below has two ranks (a
+``stream`` for host weights, ``protocol.stream``; NCCL for CUDA weights), rendezvousing in the
+trainer's store too, since the trainer cannot pick free ports elsewhere.
 
-    layout = GroupLayout.of(config, engines, world_sizes, runtime, sources)
-    stores = layout.relay_stores()            # rank 0, before any server is asked: the relay edges' stores
+    store = RendezvousStore(config.master_addr, config.master_port, ...)   # once per session (rank 0)
+    layout = GroupLayout.of(config, engines, world_sizes, runtime, sources, port=store.port)
     # each server: await engine.init_group(*layout.membership(engine))   (concurrently with:)
-    groups = layout.join(rank, stores)        # rank 0 of this trainer rank's groups, once all joined
+    groups = layout.join(rank, store)         # rank 0 of this trainer rank's groups, once all joined
     works = groups.broadcast_async(bucket, header=frames.header(i, bucket))  # into every group (the header:
     groups.wait(works)                                                       # only where the protocol is framed)
     groups.broadcast_checksums(crcs, frames=frames)  # only to the groups whose protocol expects them
@@ -29,8 +34,8 @@ whose rendezvous store the trainer runs (``RelayStores``), since it cannot pick 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Collection, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,7 +44,8 @@ from torch.distributed import TCPStore
 from asyncsync.config import WeightSyncConfig
 from asyncsync.protocol.device import Runtime
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
-from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port, resolve_backend
+from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup, free_port, resolve_backend, serve_store
+from asyncsync.protocol.keys import new_key
 from asyncsync.protocol.wire import GroupSpec
 from asyncsync.engines.base import DataPlaneProtocol, EngineClient
 from asyncsync.transport.relay import RelayTree, tree_order
@@ -67,40 +73,41 @@ class GroupLayout:
     @classmethod
     def of(cls, config: WeightSyncConfig, engines: Sequence[EngineClient], world_sizes: Mapping[str, int],
            runtime: Runtime, sources: int = 1, buckets: int = 1, seniority: Sequence[str] = (),
-           apart: Collection[frozenset[str]] = (), direct: Collection[str] = ()) -> GroupLayout:
+           apart: Collection[frozenset[str]] = (), direct: Collection[str] = (),
+           port: int | None = None) -> GroupLayout:
         """The groups for ``engines``; ``runtime`` is the device of the trainer's weights, which picks the
         backend for ``backend: auto`` (NCCL for CUDA weights, gloo otherwise). ``sources``: how many
         trainer ranks send buckets; ``buckets``: how many a version has (``fanout: auto`` plans by it);
         ``seniority``: servers in the order the relay tree takes them, the others after them (in config
         order): a server that comes back after an eviction joins as a leaf, not above the others;
         ``apart``: pairs of servers whose edge failed, never an edge again; ``direct``: servers kept in
-        the trainer's own group (``transport.relay.Relays``)."""
+        the trainer's own group (``transport.relay.Relays``). ``port``: the trainer's rendezvous
+        store's (default: ``master_port``, or a free one). Every group gets a name no answer shows
+        and, where its servers speak asyncsync's data plane, a key."""
         by_protocol: dict[DataPlaneProtocol, list[EngineClient]] = {}
         for e in engines:
             by_protocol.setdefault(e.protocol, []).append(e)
         backend = resolve_backend(config.backend, runtime)
-        groups, members, port_index = [], {}, 0
-        trees, relay = [], {}
+        port = port or config.master_port or free_port(config.master_addr)
+
+        def spec(world: int, kind: str, keyed: bool) -> GroupSpec:
+            return GroupSpec(host=config.master_addr, port=port, world_size=world, backend=kind,
+                             group_name=f"{config.group_name}.{secrets.token_hex(8)}",
+                             timeout_s=config.deadlines.collective_s, key=new_key() if keyed else "")
+
+        groups, members, trees, relay = [], {}, [], {}
         for protocol, servers in by_protocol.items():
             tree = _plan_tree(config, protocol, servers, world_sizes, sources, buckets, (seniority, apart, direct))
             if tree is not None:
                 trees.append(tree)
                 below = {u for u in tree.order if u != tree.root}
                 servers = [e for e in servers if e.url not in below]  # the trainer's group: the root and the rest
-                for n, (upper, lower) in enumerate(tree.edges()):
-                    edge = GroupSpec(host=config.master_addr, port=free_port(config.master_addr), world_size=2,
-                                     group_name=f"{config.group_name}.relay{len(trees)}.{n}", backend=backend,
-                                     timeout_s=config.deadlines.collective_s)
+                for upper, lower in tree.edges():
+                    edge = spec(2, "nccl" if backend == "nccl" else "stream", keyed=True)
                     relay[upper] = (*relay.get(upper, ()), edge)
                     members[lower] = ((edge,), 1)
             world = 1 + sum(world_sizes[e.url] for e in servers)
-            specs = []
-            for r in range(sources if protocol.multi_group else 1):
-                port = config.master_port + port_index if config.master_port else free_port(config.master_addr)
-                port_index += 1
-                name = config.group_name if r == 0 else f"{config.group_name}.r{r}"
-                specs.append(GroupSpec(host=config.master_addr, port=port, world_size=world, group_name=name,
-                                       backend=backend, timeout_s=config.deadlines.collective_s))
+            specs = [spec(world, backend, protocol.framed) for _ in range(sources if protocol.multi_group else 1)]
             groups.append((protocol, tuple(specs)))
             rank = 1
             for e in servers:
@@ -118,24 +125,11 @@ class GroupLayout:
         """The groups trainer rank ``trainer_rank`` is rank 0 of."""
         return [(protocol, specs[trainer_rank]) for protocol, specs in self.groups if trainer_rank < len(specs)]
 
-    def relay_stores(self) -> RelayStores | None:
-        """The relay edges' rendezvous stores, run by trainer rank 0 for the epoch's life (None: no
-        edge); made before any server is asked to join, so a store that cannot listen
-        (``DataPlaneError``) fails the epoch before anyone waits for it."""
-        return RelayStores(self.edges) if self.edges else None
-
-    def join(self, trainer_rank: int = 0, stores: RelayStores | None = None) -> TrainerGroups:
+    def join(self, trainer_rank: int = 0, store: RendezvousStore | None = None) -> TrainerGroups:
         """Join this trainer rank's groups as their rank 0; each returns once all of its servers' ranks
-        joined. ``stores`` (rank 0's ``relay_stores``) live as long as the groups, and are closed
-        if they do not form."""
-        try:
-            groups = join_groups(self.specs_for(trainer_rank), self.runtime)
-        except BaseException:
-            if stores is not None:
-                stores.close()
-            raise
-        groups.stores = stores
-        return groups
+        joined. ``store``: the trainer's rendezvous store, where rank 0 runs it (the other ranks join
+        it as clients)."""
+        return join_groups(self.specs_for(trainer_rank), self.runtime, store)
 
 
 def _plan_tree(config: WeightSyncConfig, protocol: DataPlaneProtocol, servers: Sequence[EngineClient],
@@ -156,37 +150,39 @@ def _plan_tree(config: WeightSyncConfig, protocol: DataPlaneProtocol, servers: S
     return RelayTree.plan(order, fanout)
 
 
-class RelayStores:
-    """The rendezvous stores of an epoch's relay edges, run by the trainer (the servers join them as
-    clients, the upper server as its edge's rank 0); closed with the epoch's groups.
+class RendezvousStore:
+    """The one rendezvous store of a trainer session (rank 0's): every group and relay edge of every
+    epoch meets in it, each in its own namespace (the group's name). It listens on ``host`` only
+    (``protocol.group.serve_store``), on ``port`` when one is configured and free, else on a free
+    port (a configured port another process holds is logged, not fatal, as before); every failure
+    to listen is a ``DataPlaneError``. It lives until ``close``, so a server's ownership probe of its
+    trainer (``protocol.ownership``: the store refuses connections once the trainer is gone) holds
+    across epochs and repairs."""
 
-    A store that cannot listen is the epoch's failure, not a raw exception: torch raises
-    ``DistNetworkError`` (its port taken meanwhile: EADDRINUSE; the trainer out of file descriptors:
-    EMFILE), made here a ``DataPlaneError`` naming the edge, which ``transport.epochs`` handles as
-    any failed rendezvous (a taken port: once more, on fresh ports). The stores made before it are
-    closed."""
-
-    def __init__(self, edges: Sequence[GroupSpec]):
-        self._stores: list[TCPStore] = []
-        for spec in edges:
-            try:
-                self._stores.append(TCPStore(spec.host, spec.port, spec.world_size, True,
-                                             timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False))
-            except Exception as e:  # torch raises DistNetworkError, RuntimeError or OSError
-                self.close()
-                raise DataPlaneError(f"the rendezvous store of relay edge {spec.group_name} could not listen on "
-                                     f"{spec.host}:{spec.port}: {e}") from None
+    def __init__(self, host: str, port: int, timeout_s: float):
+        try:
+            store = serve_store(host, port, timeout_s)
+        except DataPlaneError as e:
+            if not port or "EADDRINUSE" not in str(e):
+                raise
+            log.warning("%s; the rendezvous store takes a free port instead", e)
+            store = serve_store(host, 0, timeout_s)
+        self.store: TCPStore | None = store
+        self.port: int = store.port
 
     def close(self) -> None:
-        self._stores = []  # a TCPStore's server stops with its last reference
+        self.store = None  # a TCPStore's server stops with its last reference
 
 
-def join_groups(specs: Sequence[tuple[DataPlaneProtocol, GroupSpec]], runtime: Runtime) -> TrainerGroups:
-    """Join ``specs`` as their rank 0 (a follower trainer rank gets its specs from rank 0)."""
+def join_groups(specs: Sequence[tuple[DataPlaneProtocol, GroupSpec]], runtime: Runtime,
+                store: RendezvousStore | None = None) -> TrainerGroups:
+    """Join ``specs`` as their rank 0, in ``store`` (rank 0's), or as a client of the store at their
+    address (a follower trainer rank, which gets its specs from rank 0)."""
     joined: list[tuple[DataPlaneProtocol, DataPlaneGroup]] = []
     try:
         for protocol, spec in specs:
-            joined.append((protocol, DataPlaneGroup.join(spec, 0, runtime, warmup=protocol.warmup)))
+            joined.append((protocol, DataPlaneGroup.join(spec, 0, runtime, warmup=protocol.warmup, hosts_store=False,
+                                                         store=store.store if store is not None else None)))
             log.info("data-plane group %s for %s receivers: %d ranks on port %d", spec.group_name, protocol.name,
                      spec.world_size, spec.port)
     except BaseException:
@@ -210,7 +206,6 @@ class TrainerGroups:
         self.device: torch.device = runtime.device
         self._cold = {id(g) for p, g in groups if not p.warmup}
         self._pending: list[list[Any]] = []
-        self.stores: RelayStores | None = None  # the relay edges' rendezvous stores (rank 0's, with a relay)
 
     @property
     def layout(self) -> list[tuple[str, int]]:
@@ -221,8 +216,8 @@ class TrainerGroups:
                         header: FrameHeader | None = None) -> list[Any]:
         """Start broadcasting ``tensor`` into every group (each with deadline ``timeout_s``), after
         ``header`` in the groups whose protocol is framed (``protocol.frames``: every payload of a
-        version has one, whose length the caller took from ``tensor``); pass the result to ``wait``."""
-        framed = None
+        version has one, whose length the caller took from ``tensor``; sealed for each group); pass
+        the result to ``wait``."""
         works: list[Any] = []
         for protocol, group in self._groups:
             if id(group) in self._cold:
@@ -233,8 +228,7 @@ class TrainerGroups:
             ops = []
             if protocol.framed:
                 assert header is not None, f"a payload to {protocol.name} receivers needs its frame header"
-                framed = framed if framed is not None else self.runtime.upload(header.tensor())
-                ops.append(group.broadcast_async(framed, timeout_s))
+                ops.append(group.broadcast_async(self.runtime.upload(group.seal.tensor(header)), timeout_s))
             ops.append(group.broadcast_async(tensor, timeout_s))
             works.append(ops)
         self._pending.append(works)
@@ -262,13 +256,10 @@ class TrainerGroups:
             if protocol.checksum_manifest:
                 if protocol.framed:
                     assert header is not None, f"the manifest to {protocol.name} receivers needs its frame header"
-                    group.broadcast(self.runtime.upload(header.tensor()), timeout_s)
+                    group.broadcast(self.runtime.upload(group.seal.tensor(header)), timeout_s)
                 group.broadcast(manifest, timeout_s)
 
     def close(self, broken: bool = False) -> None:
         self._pending = []
         for _, group in self._groups:
             group.close(broken)
-        if self.stores is not None:
-            self.stores.close()
-            self.stores = None

@@ -19,7 +19,8 @@ from asyncsync.config import WeightSyncConfig
 from asyncsync.models import build_model
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
 from asyncsync.protocol.group import free_port
-from asyncsync.protocol.wire import GroupSpec, InitGroupRequest, UpdateRequest
+from asyncsync.protocol.keys import new_key
+from asyncsync.protocol.wire import PROTOCOL_VERSION, GroupSpec, InitGroupRequest, UpdateRequest
 from asyncsync.receivers.reference import app as app_module
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import RogueTrainer, ServerProcess, http_call, mixed_dtype_model
@@ -61,7 +62,9 @@ def assert_unharmed_and_takes_a_valid_version(server: ServerProcess, before: tup
         trainer.close()
 
 
-GARBAGE = type("Garbage", (), {"tensor": lambda self: torch.arange(8, dtype=torch.int64)})()  # 64 bytes, no header
+# 64 bytes, no header (whatever MAC the rogue's group would seal it with)
+GARBAGE = type("Garbage", (), {"words": lambda self: [0] * 6,
+                               "tensor": lambda self, mac=(): torch.arange(8, dtype=torch.int64)})()
 
 
 @pytest.mark.parametrize("lie", ["a longer payload", "another plan", "another version", "no header", "another protocol"])
@@ -82,14 +85,16 @@ def test_frames_that_disagree_with_the_announcement_are_refused_before_their_pay
             "another plan": (FrameHeader(true.plan ^ 1, version, 0, true.nbytes), flat[0]),
             "another version": (FrameHeader(true.plan, version + 5, 0, true.nbytes), flat[0]),
             "no header": (GARBAGE, flat[0]),  # what a sender of another framing would send
-            "another protocol": (FrameHeader(true.plan, version, 0, true.nbytes, protocol=3), flat[0]),
+            "another protocol": (FrameHeader(true.plan, version, 0, true.nbytes, protocol=PROTOCOL_VERSION + 1),
+                                 flat[0]),
         }[lie]
         status, body, failed, took = rogue.send(request, [(header, payload)])
     finally:
         rogue.close()
     reason = {"a longer payload": f"is {true.nbytes + 4096} bytes on the wire but was announced as {true.nbytes}",
               "another plan": "belongs to another plan", "another version": f"arrived as frame 0 of version {version + 5}",
-              "no header": "has no asyncsync frame header", "another protocol": "is of data-plane protocol 3"}[lie]
+              "no header": "has no asyncsync frame header",
+              "another protocol": f"is of data-plane protocol {PROTOCOL_VERSION + 1}"}[lie]
     assert status == 409 and reason in body["error"] and "before its payload" in body["error"], body
     assert failed is not None and took < 5.0, "the liar's broadcast failed at once, not at a deadline"
     assert_unharmed_and_takes_a_valid_version(server, before, version + 1)
@@ -98,13 +103,16 @@ def test_frames_that_disagree_with_the_announcement_are_refused_before_their_pay
 def test_a_trainer_of_another_protocol_is_refused_at_init_group_before_any_rendezvous(server):
     """An asyncsync that sends bare payloads says no ``protocol``: refused by name at once, without
     even a rendezvous (nothing listens at the group's port, and the timeout is long)."""
-    spec = GroupSpec("127.0.0.1", free_port(), 2, "old", "gloo", 60.0)
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "old", "gloo", 60.0, key=new_key())
     old = {k: v for k, v in InitGroupRequest(spec, 1).to_json().items() if k != "protocol"}
     start = time.monotonic()
     status, body = call(server.url, "POST", "/init_group", old)
-    assert status == 400 and "protocol 1" in body["error"] and "this server speaks 2" in body["error"], body
+    assert status == 400 and "protocol 1" in body["error"] and f"this server speaks {PROTOCOL_VERSION}" in body["error"], body
     assert time.monotonic() - start < 5.0
-    assert call(server.url, "GET", "/world_size")[1] == {"world_size": 1, "protocol": 2}
+    assert call(server.url, "GET", "/world_size")[1] == {"world_size": 1, "protocol": PROTOCOL_VERSION}
+    unkeyed = {**old, "protocol": 2, "group": {k: v for k, v in spec.to_json().items() if k != "key"}}
+    status, body = call(server.url, "POST", "/init_group", unkeyed)  # the release before keys
+    assert status == 400 and "speaks asyncsync data-plane protocol 2" in body["error"], body
 
 
 @pytest.fixture
@@ -152,7 +160,8 @@ def peer(answers_first_ping: bool) -> Iterator[tuple[int, list[socket.socket]]]:
 
 
 def init_group_body(port: int, timeout_s: float) -> dict[str, Any]:
-    return InitGroupRequest(GroupSpec("127.0.0.1", port, 2, f"silent{free_port()}", "gloo", timeout_s), 1).to_json()
+    return InitGroupRequest(GroupSpec("127.0.0.1", port, 2, f"silent{free_port()}", "gloo", timeout_s, key=new_key()),
+                            1).to_json()
 
 
 def closed_by_server(conn: socket.socket) -> bool:

@@ -52,12 +52,12 @@ def mutants(valid: dict[str, Any]) -> st.SearchStrategy[Any]:
         lambda pn: with_replaced(valid, pn[0], None, delete=True) if pn[1] is _DELETE else with_replaced(valid, *pn))
 
 
-GROUP = GroupSpec("127.0.0.1", 29500, 3, "asyncsync.ab12.1", "gloo", 120.0)
+GROUP = GroupSpec("127.0.0.1", 29500, 3, "asyncsync.1.ab12", "gloo", 120.0, key="ab" * 32)
 BUCKET = BucketMeta(("a.weight", "b.bias"), ("float32", "bfloat16"), ((4, 2), (3,)), 38)
 HOST = HostIdentity("0b8c4f52-7a1c-4e55-9d1e-2f3b4a5c6d7e", 27)
 UPDATE = UpdateRequest(7, (BUCKET, BucketMeta(("c",), ("int8",), ((5,),), 5)), True, (2.0, 3.5), (0, 1),
                        "background", SharedVersion("asyncsync-123-ab12-0", (0, 64), (1, 2), HOST))
-INIT = InitGroupRequest(GROUP, 1, (GroupSpec("127.0.0.1", 29501, 3, "asyncsync.ab12.1.r1", "gloo", 120.0),))
+INIT = InitGroupRequest(GROUP, 1, (GroupSpec("127.0.0.1", 29500, 3, "asyncsync.1.cd34", "gloo", 120.0, key="cd" * 32),))
 VALID: dict[str, tuple[Callable[[Any], Any], dict[str, Any]]] = {
     "update": (UpdateRequest.from_json, UPDATE.to_json()),
     "bucket": (BucketMeta.from_json, BUCKET.to_json()),
@@ -236,7 +236,8 @@ def buckets(draw: st.DrawFn) -> BucketMeta:
 
 SECONDS = st.floats(min_value=1e-3, max_value=MAX_DEADLINE_S)
 GROUPS = st.builds(GroupSpec, st.sampled_from(["127.0.0.1", "node-3.cluster", "::1"]), st.integers(1, 65535),
-                   st.integers(2, 64), NAMES, st.sampled_from(["gloo", "nccl"]), SECONDS)
+                   st.integers(2, 64), NAMES, st.sampled_from(["gloo", "nccl"]), SECONDS,
+                   key=st.text("0123456789abcdef", min_size=64, max_size=64))
 
 
 @st.composite
@@ -272,10 +273,16 @@ def test_every_valid_message_survives_a_round_trip(update, group, more, session,
 
 def test_a_trainer_of_another_protocol_is_refused_by_name():
     old = {k: v for k, v in INIT.to_json().items() if k != "protocol"}
-    with pytest.raises(WireError, match="protocol 1 .*no protocol field.*this server speaks 2"):
+    with pytest.raises(WireError, match=f"protocol 1 .*no protocol field.*this server speaks {PROTOCOL_VERSION}"):
         InitGroupRequest.from_json(old)
-    with pytest.raises(WireError, match="protocol 3, this server speaks 2"):
-        InitGroupRequest.from_json({**INIT.to_json(), "protocol": 3})
+    newer = PROTOCOL_VERSION + 1
+    with pytest.raises(WireError, match=f"protocol {newer}, this server speaks {PROTOCOL_VERSION}"):
+        InitGroupRequest.from_json({**INIT.to_json(), "protocol": newer})
+    before_keys = {**INIT.to_json(), "protocol": 2}
+    for group in (before_keys["group"], *before_keys["more_groups"]):
+        del group["key"]
+    with pytest.raises(WireError, match=f"protocol 2, this server speaks {PROTOCOL_VERSION}"):
+        InitGroupRequest.from_json(before_keys)  # the release before keys is refused by its protocol, not a key
 
 
 # -- frame headers -------------------------------------------------------------------------------

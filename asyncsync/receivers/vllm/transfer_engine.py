@@ -17,9 +17,9 @@ Where step 1 runs is the request's ``receive`` mode:
 
 * ``background``: ``update_weights`` starts step 1 on a worker thread (``protocol.background``; on
   CUDA on a dedicated stream, ordered against the load by events) and returns at once, so the engine
-  keeps stepping during the whole transfer. ``finish_weight_update`` waits for the verified version
-  (normally already there: the trainer calls it after its last broadcast) and does steps 2-3. The
-  engine is held only for the load.
+  keeps stepping during the whole transfer. A ``CommitRequest`` in ``update_weights`` waits for the
+  verified version (normally already there: the trainer sends it after its last broadcast) and does
+  steps 2-3. The engine is held only for the load.
 * ``in_rpc``: ``update_weights`` does steps 1-3 itself; the engine is held for the whole transfer,
   but nothing of the receive (checksum temporaries, the data plane's buffers) overlaps generation.
 
@@ -28,10 +28,19 @@ request ever meets a half-loaded model, whatever the trainer's pause policy and 
 the trainer mid-update.
 
 vLLM's worker marks an update active from ``start_weight_update`` until ``finish_weight_update``
-returns; if ``finish`` raises (a refused version) the mark stays, and the next ``start`` fails. So
-``finish`` leaves nothing pending whatever happens, a second ``finish`` is a no-op that ends vLLM's
-session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the background
-that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it aborts.
+returns; if ``finish`` raises the mark stays, and the next ``start`` fails. So ``finish`` leaves
+nothing pending whatever happens and never raises for a version, a second ``finish`` is a no-op that
+ends vLLM's session, and a ``DiscardRequest`` in ``update_weights`` drops a version received in the
+background that will not be loaded (the trainer aborted it). ``engines/vllm.py`` sends both when it
+aborts.
+
+Credentials: vLLM's ``--api-key`` guards ``/v1/*`` only, not these routes. Every payload that
+reaches this engine (``init_info``, ``update_info``) must carry the credential of the token the
+server was started with (``ASYNCSYNC_TOKEN``, or ``VLLM_API_KEY``, which vLLM's own guard reads;
+``protocol.keys.PayloadGuard``), or it is refused before it is decoded. ``/finish_weight_update``
+reaches the worker with nothing to authenticate, so it loads nothing: a version received in the
+background is applied only by an authenticated ``CommitRequest``, and ``finish`` drops one that none
+committed. What stays open is vLLM's own (docs/engines/vllm.md, "Trust").
 
 Contract: a version this engine reports loaded is served by every module of every worker, each with
 the processing derived from that version's weights; a version that cannot be is refused before the
@@ -62,13 +71,14 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from asyncsync.protocol.arena import Arena, HostArena, Staging, vllm_staging
 from asyncsync.protocol.background import BackgroundReceive, finish_window_s
 from asyncsync.protocol.device import runtime_for
+from asyncsync.protocol.keys import PayloadGuard
 from asyncsync.protocol.lora import AdapterCheck, AdapterUpdate, BaseCheck
 from asyncsync.protocol.specs import TensorSpec, dtype_from_safetensors
 from asyncsync.protocol.admission import VersionRejected, reject_if
 from asyncsync.protocol.stager import BucketStager
 from asyncsync.protocol.staging import StagedVersion
 from asyncsync.protocol.tags import UPDATE_INFO
-from asyncsync.protocol.wire import DiscardRequest, EndRequest, InitGroupRequest, LayoutCheck, UpdateRequest
+from asyncsync.protocol.wire import CommitRequest, DiscardRequest, InitGroupRequest, LayoutCheck, UpdateRequest
 from asyncsync.receivers.vllm.adapters import WorkerAdapters
 from asyncsync.receivers.vllm.agreement import EngineAgreement
 from asyncsync.receivers.vllm.faults import WorkerFaults
@@ -126,22 +136,26 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         # A version started in the background, on every worker (also those that do not receive it): what
         # finish_weight_update completes.
         self.pending: UpdateRequest | AdapterUpdate | None = None
-        self.digests: tuple[str, ...] = ()  # the pending version's, as the trainer sent them before finish
         self.fixes = PostLoadFixes.of(model)  # what vLLM's reload leaves stale, repaired after each load
         self.background = BackgroundReceive(self.stager, self._verify)
+        self.credentials = PayloadGuard.from_environment(os.environ)  # the trainer's, checked in every payload
+        if not self.credentials.guarding:
+            log.warning("asyncsync: weight-transfer calls are not authenticated (vLLM's --api-key does not cover "
+                        "them): start the server with ASYNCSYNC_TOKEN or VLLM_API_KEY set to the trainer's token")
         pc = self.parallel_config
         self.adapters = WorkerAdapters(vllm_config, model, self.checkpoint.specs,
                                        writer=pc.rank == 0 and pc.data_parallel_index == 0)
         self._handlers: dict[type, Callable[[Any], None]] = {
             LayoutCheck: self._check_layout, AdapterCheck: self.adapters.check, BaseCheck: self._check_base,
             AdapterUpdate: self._receive_adapter, DiscardRequest: self._discard, UpdateRequest: self._receive,
-            EndRequest: self._expect_digests,
+            CommitRequest: self._commit,
         }
         where = f"{nbytes / 1e6:.1f} MB staging arena on {'host shared memory' if self.staging == 'host' else device}"
         log.info("asyncsync: staging %s: %s", self.staging, where if self.arena is not None else
                  "this worker loads from its engine's stager's arena (it receives nothing)")
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitGroupRequest:  # type: ignore[override]
+        self.credentials.check(init_dict, "/init_weight_transfer_engine")
         return InitGroupRequest.from_json(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:  # type: ignore[override]
@@ -178,7 +192,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         """One handler per message the trainer's client carries in ``update_info``: a version (``in_rpc``:
         received, verified and loaded here; ``background``: started on the worker thread), an
         adapter version, a ``DiscardRequest`` (drop a background version), and the checks made at the
-        trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse."""
+        trainer's connect (``LayoutCheck``, ``AdapterCheck``, ``BaseCheck``), which raise to refuse; a
+        ``CommitRequest`` applies the version received in the background. Each carries the trainer's
+        credential (``Unauthorized`` before anything is decoded, if not)."""
+        self.credentials.check(update_info, "/update_weights")
         request = self.parse_update_info(update_info)
         with self.guard.rpc():
             self._handlers[type(request)](request)
@@ -190,20 +207,15 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
     def _check_base(self, check: BaseCheck) -> None:
         self.adapters.check_base(check, self.version, self.checkpoint)
 
-    def _expect_digests(self, request: EndRequest) -> None:
-        """The trainer's digests of the pending version (``protocol/digest.py``), sent before finish:
-        the version is loaded only if its buckets hashed to exactly these."""
-        self.digests = request.digests
-
     def _discard(self, request: DiscardRequest) -> None:
         self.background.cancel()
-        self.pending, self.adapters.pending, self.digests = None, None, ()
+        self.pending, self.adapters.pending = None, None
         log.info("discarded version %d", request.version)
 
     def _refuse_while_pending(self, what: str) -> None:
-        if self.pending is not None:
-            busy = self.pending.update.version if isinstance(self.pending, AdapterUpdate) else self.pending.version
-            raise VersionRejected(f"{what} rejected: version {busy} is being received in the background; finish "
+        busy = self._pending_version()
+        if busy is not None:
+            raise VersionRejected(f"{what} rejected: version {busy} is being received in the background; commit "
                                   "or discard it first")
 
     def _receive(self, request: UpdateRequest) -> None:
@@ -270,39 +282,55 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.adapters.verify(update, staged)
         self.adapters.write(update, staged)
 
-    def finish_weight_update(self) -> None:
-        """Load the version received in the background, if one is pending (else nothing: the version
-        was loaded in ``update_weights``, or this ends a session whose finish raised); an adapter
-        version is written as a PEFT directory instead. Raises what the receive raised (a refused
-        version); nothing is pending afterwards either way."""
-        with self.guard.rpc(finish=True):
-            pending, self.pending = self.pending, None
-            if pending is not None:
-                self._finish(pending)
-
-    def _finish(self, pending: UpdateRequest | AdapterUpdate) -> None:
+    def _commit(self, request: CommitRequest) -> None:
+        """Load the version received in the background (an adapter version: write it as a PEFT
+        directory), if its buckets hash to the commit's digests where it was announced with them.
+        Raises what the receive raised (a refused version), or ``VersionRejected`` when another
+        version (or none) is pending; nothing is pending afterwards either way."""
+        busy = self._pending_version()
+        if busy != request.version:
+            if busy is not None:
+                self._discard(DiscardRequest(busy))
+            raise VersionRejected(f"version {request.version} rejected: "
+                                  f"{'nothing' if busy is None else f'version {busy} (dropped)'} was received in "
+                                  "the background")
+        pending, self.pending = self.pending, None
+        assert pending is not None
         try:
             if isinstance(pending, AdapterUpdate):
                 self.adapters.pending = None
                 window = finish_window_s(pending.update, FINISH_WAIT_S)
-                self._led(lambda: self.adapters.write(pending, self._published(self.background.take(window))))
+                self._led(lambda: self.adapters.write(pending, published(self.background.take(window),
+                                                                         request.digests)))
             else:
                 window = finish_window_s(pending, FINISH_WAIT_S)
                 self._load_whole(pending.version, lambda: self._staged(
-                    pending, lambda: self._published(self.background.take(window))))
+                    pending, lambda: published(self.background.take(window), request.digests)))
         finally:
-            self.digests = ()
             self.background.released()  # the arena may be received into once the load has read it
 
-    def _published(self, staged: StagedVersion) -> StagedVersion:
-        """``staged``, if it is what the trainer published (its digests, where it was announced with
-        them); else ``VersionRejected``, before anything is loaded."""
-        reject_if(staged.unpublished(self.digests), staged.version)
-        return staged
+    def finish_weight_update(self) -> None:
+        """Ends vLLM's update session and loads nothing (vLLM passes the worker nothing that could be
+        authenticated): the version was loaded in ``update_weights``, by its ``CommitRequest``, or is
+        dropped here, none having committed it. Never raises."""
+        with self.guard.rpc(finish=True):
+            busy = self._pending_version()
+            if busy is not None:
+                log.warning("update session finished without the trainer's commit: version %d, received in the "
+                            "background, is dropped, not loaded", busy)
+                self._discard(DiscardRequest(busy))
+
+    def _pending_version(self) -> int | None:
+        pending = self.pending
+        if pending is None:
+            return None
+        return pending.update.version if isinstance(pending, AdapterUpdate) else pending.version
 
     def drain_pending(self) -> None:
         """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
-        self.finish_weight_update()
+        busy = self._pending_version()
+        if busy is not None:
+            self._commit(CommitRequest(busy))
 
     def _load_whole(self, version: int, stage: Callable[[], StagedVersion]) -> None:
         """Stage ``version`` and load it on every worker of the engine, or on none: each step's outcome
@@ -330,6 +358,13 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         self.guard.close()
         self.background.close()
         self.adapters.close()
+
+
+def published(staged: StagedVersion, digests: tuple[str, ...]) -> StagedVersion:
+    """``staged``, if it is what the trainer published (``digests``, the commit's, where the version was
+    announced with them); else ``VersionRejected``, before anything is loaded."""
+    reject_if(staged.unpublished(digests), staged.version)
+    return staged
 
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):

@@ -26,8 +26,8 @@ from asyncsync.protocol.shm import ALIGN, HostIdentity
 from asyncsync.protocol.specs import TensorSpec
 from asyncsync.protocol.tags import UPDATE_INFO
 from asyncsync.protocol.wire import (
-    MAX_BYTES, MAX_DEADLINE_S, PROTOCOL_VERSION, BucketMeta, ClaimRequest, DeltaVersion, DiscardRequest, EndRequest, GroupSpec,
-    InitGroupRequest, LayoutCheck, SharedVersion, UpdateRequest, VersionRequest, WireError,
+    MAX_BYTES, MAX_DEADLINE_S, PROTOCOL_VERSION, BucketMeta, ClaimRequest, CommitRequest, DeltaVersion, DiscardRequest,
+    EndRequest, GroupSpec, InitGroupRequest, LayoutCheck, SharedVersion, UpdateRequest, VersionRequest, WireError,
 )
 from asyncsync.testing.mutations import HOSTILE as HOSTILE_VALUES
 from asyncsync.testing.mutations import field_mutations, places, with_replaced
@@ -187,6 +187,7 @@ DECLARED: list[tuple[Message, str | None]] = [  # a valid message of each declar
     (UPDATE.shm, None), (INIT, None), (VersionRequest(3), "begin"), (DiscardRequest(3), None),
     (ClaimRequest("host:12:ab12", True), None), (LayoutCheck(BUCKET.to_bucket(0).specs), None),
     (ADAPTER_CHECK, None), (BaseCheck((("w", 7),)), None), (AdapterUpdate(UPDATE, ADAPTER), None),
+    (EndRequest(3, ("0" * 64,)), "end"), (CommitRequest(3, ("0" * 64,)), None),
 ]
 
 
@@ -208,7 +209,7 @@ def test_a_value_past_any_declared_limit_is_refused_naming_its_field(message, wh
 
 def test_the_update_info_slot_tells_every_message_apart_by_its_tag():
     carried = [UPDATE, DiscardRequest(3), LayoutCheck(BUCKET.to_bucket(0).specs), AdapterUpdate(UPDATE, ADAPTER),
-               ADAPTER_CHECK, BaseCheck((("w", 7),)), EndRequest(3, ("0" * 64,))]
+               ADAPTER_CHECK, BaseCheck((("w", 7),)), CommitRequest(3, ("0" * 64,)), CommitRequest(4)]
     assert {type(m) for m in carried} == {UPDATE_INFO.default, *UPDATE_INFO.tagged.values()}
     for message in carried:
         assert UPDATE_INFO.decode(json.loads(json.dumps(UPDATE_INFO.encode(message)))) == message

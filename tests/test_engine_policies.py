@@ -93,10 +93,11 @@ async def test_background_receive_pauses_only_around_the_load():
     assert version == 3
     assert fake.calls == [
         "POST /start_weight_update", "POST /update_weights",
-        "POST /pause?mode=wait&clear_cache=false", "POST /finish_weight_update", RESET, "POST /resume",
-        "GET /weight_info",
+        "POST /pause?mode=wait&clear_cache=false", "POST /update_weights", "POST /finish_weight_update", RESET,
+        "POST /resume", "GET /weight_info",
     ]
     assert fake.bodies["/update_weights"][0]["update_info"]["receive"] == "background"
+    assert fake.bodies["/update_weights"][1] == {"update_info": {"commit": 3}}, "the load is the trainer's commit"
     assert engine.receives_in_background and engine.last_switch_s is not None and engine.last_switch_s > 0
     assert not fake.active
 
@@ -124,8 +125,8 @@ async def test_mix_versions_freezes_requests_instead_of_draining_them():
 async def test_policies_can_be_switched_off():
     fake = FakeVllm()
     assert (await sync_once(fake, pause=False, mix_versions=True, reset_prefix_cache=False))[0] == 3
-    assert fake.calls == ["POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
-                          "GET /weight_info"]
+    assert fake.calls == ["POST /start_weight_update", "POST /update_weights", "POST /update_weights",
+                          "POST /finish_weight_update", "GET /weight_info"]
 
 
 @pytest.mark.parametrize("receive", ["background", "in_rpc"])

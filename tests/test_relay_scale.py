@@ -32,6 +32,7 @@ from asyncsync.models import build_model
 from asyncsync.protocol import relay as protocol_relay
 from asyncsync.protocol.background import finish_window_s
 from asyncsync.protocol.device import HostRuntime
+from asyncsync.protocol.frames import FrameSeal
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup
 from asyncsync.protocol.wire import MAX_DEADLINE_S, BucketMeta, GroupSpec, UpdateRequest
 from asyncsync.ranks import TrainerRanks
@@ -156,11 +157,11 @@ def test_a_version_blames_the_edge_below_a_server_that_took_it_and_demotes_a_rel
 
 class Switchboard:
     """The stand-in servers' shared view: which pairs are partitioned, who relays which edge (by the
-    edge store's port), every call each server got, and the trainer groups they joined."""
+    edge's name), every call each server got, and the trainer groups they joined."""
 
     def __init__(self) -> None:
         self.partitioned: set[frozenset[str]] = set()
-        self.uppers: dict[int, str] = {}
+        self.uppers: dict[str, str] = {}
         self.calls: list[tuple[str, str]] = []
         self.hanging: set[str] = set()  # servers whose HTTP never answers (a black-holed host)
         self.groups: list[DataPlaneGroup] = []
@@ -195,16 +196,16 @@ class StandIn(ReferenceEngine):
     async def init_group(self, specs: tuple[GroupSpec, ...], rank_offset: int, relay: tuple[GroupSpec, ...] = ()) -> None:
         await self._call("init_group")
         for edge in relay:
-            self.board.uppers[edge.port] = self.url
+            self.board.uppers[edge.group_name] = self.url
         spec = specs[0]
-        if ".relay" not in spec.group_name:
+        if spec.backend != "stream":  # the trainer's group (an edge below a server is a stream)
             self.board.groups.append(await asyncio.to_thread(DataPlaneGroup.join, spec, rank_offset, HostRuntime()))
             return
         for _ in range(100):  # the upper's init_group runs concurrently: it names its edges within a second
-            if spec.port in self.board.uppers:
+            if spec.group_name in self.board.uppers:
                 break
             await asyncio.sleep(0.01)
-        if frozenset((self.board.uppers.get(spec.port), self.url)) in self.board.partitioned:
+        if frozenset((self.board.uppers.get(spec.group_name), self.url)) in self.board.partitioned:
             await asyncio.sleep(0.2)
             raise ServerError(self.url, f"/init_group: rendezvous of {spec.group_name} got no answer", status=503)
 
@@ -227,7 +228,7 @@ def make_epochs(board: Switchboard, n: int = 4, **options: Any) -> tuple[Epochs,
         engines.append(engine)
     control = ControlLoop()
     book = ServerBook([e.url for e in engines], SyncMetrics())
-    return Epochs(cfg, control, engines, book, HostRuntime(), TrainerRanks(), WEIGHTS, "test:1:abcd"), engines, control
+    return Epochs(cfg, control, engines, book, HostRuntime(), TrainerRanks(), WEIGHTS), engines, control
 
 
 def test_an_edge_that_fails_to_form_evicts_no_one_and_its_lower_server_is_planned_below_another(board):
@@ -311,12 +312,13 @@ def test_a_store_that_could_not_listen_is_the_epochs_failure_and_the_next_try_fo
 
 # -- the LOST header never lands between a header and its payload ----------------------------------
 
-class SlowEdge:
-    """A stand-in relay edge that records what is enqueued on it, slowly (so a second thread would
-    interleave if nothing kept it out)."""
+class SlowEdge(DataPlaneGroup):
+    """A stand-in NCCL relay edge (a group: the edges a LOST header is sent into) that records what
+    is enqueued on it, slowly (so a second thread would interleave if nothing kept it out)."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # no group: nothing of DataPlaneGroup's own is run
         self.spec = GroupSpec("127.0.0.1", 1, 2, "edge", "gloo", 5.0)
+        self.seal = FrameSeal()
         self.sent: list[int] = []
         self.enqueuing = threading.Event()
 
@@ -354,21 +356,35 @@ def test_a_lost_header_from_another_thread_never_interleaves_a_forward():
 HOP_S = 0.4
 
 
+def slow_forwards(server: ReferenceServer) -> None:
+    """Make ``server`` hold each payload ``HOP_S`` before forwarding it (its receiving is untouched)."""
+    edges = server.receiver.stager.joined.relay
+    made = edges.forward
+
+    def forward(*args: Any, **kwargs: Any) -> protocol_relay.Forward:
+        made_forward = made(*args, **kwargs)
+        send = made_forward.send
+
+        def slow(index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
+            if made_forward.edges:
+                time.sleep(HOP_S)
+            send(index, payload, deadline_s)
+
+        made_forward.send = slow  # type: ignore[method-assign]
+        return made_forward
+
+    edges.forward = forward  # type: ignore[method-assign]
+
+
 @pytest.mark.slow
-def test_a_chain_whose_hops_each_take_longer_than_a_deadline_fraction_takes_whole_versions_unrepaired(monkeypatch):
+def test_a_chain_whose_hops_each_take_longer_than_a_deadline_fraction_takes_whole_versions_unrepaired():
     """Six in-process reference servers in a chain, each forward below the root held ``HOP_S`` (the
     root's is not: the trainer's measured rate, and with it each bucket's deadline, stays that of a
     fast link, 1 s): the last server gets the first frame ~1.6 s after it posted its receive. Before
     the first deadline grew with depth, the deep servers failed every whole version and were repaired."""
-    forward_send = protocol_relay.Forward.send
-
-    def slow_send(self: protocol_relay.Forward, index: int, payload: torch.Tensor, deadline_s: float | None) -> None:
-        if self.edges and not self.edges[0].spec.group_name.endswith(".relay1.0"):  # the root's edge
-            time.sleep(HOP_S)
-        forward_send(self, index, payload, deadline_s)
-
-    monkeypatch.setattr(protocol_relay.Forward, "send", slow_send)
     servers = [ThreadedServer(ReferenceServer(build_model(TINY))) for _ in range(6)]
+    for s in servers[1:]:  # the chain follows config order: servers[0] is its root
+        slow_forwards(s.server)
     for s in servers:
         s.__enter__()
     trainer = None

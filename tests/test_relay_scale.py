@@ -351,6 +351,26 @@ def test_a_lost_header_from_another_thread_never_interleaves_a_forward():
     assert edge.sent == [header, 1000, header], "header, its payload, then the LOST header"
 
 
+def test_a_ring_relay_waits_for_a_forward_only_when_its_slot_is_received_into_again():
+    """Where payloads land in a device ring of ``RING_SLOTS`` (review M8), a relay keeps one forward in
+    flight: forwarding payload 1 waits for payload 0's forward (its slot is received into next), never
+    for its own, so receiving and forwarding overlap instead of taking turns."""
+    from asyncsync.protocol.arena import RING_SLOTS
+    from asyncsync.protocol.frames import VersionFrames
+
+    edge = SlowEdge()
+    waited: list[int] = []
+    edge.wait = waited.append  # type: ignore[method-assign]
+    frames = VersionFrames.of(request(buckets=3))
+    forward = protocol_relay.Forward([edge], frames, HostRuntime(), RING_SLOTS - 1)  # type: ignore[list-item]
+    forward.send(0, torch.zeros(8, dtype=torch.uint8), 1.0)
+    assert waited == [], "payload 0's forward runs on while payload 1 is received"
+    forward.send(1, torch.zeros(8, dtype=torch.uint8), 1.0)
+    assert sorted(waited) == [1, 2], "payload 0's header and payload forwarded before its slot is reused"
+    forward.finish()
+    assert sorted(waited) == [1, 2, 3, 4]
+
+
 # -- a chain whose every hop is slow: whole versions, no repair -------------------------------------
 
 HOP_S = 0.4

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from asyncsync.protocol.admission import Admission, BucketRefused, VersionRejected, reject_if
+from asyncsync.protocol.arena import RING_SLOTS
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.frames import VersionFrames
 from asyncsync.protocol.group import DataPlaneError, DataPlaneGroup
@@ -85,7 +86,7 @@ class WireIntake:
         receive = FramedReceive(req, self.joined.groups, self.buffers.runtime, ring, target.buffers, buckets,
                                 None if unusable or base is None else base.buffers, problems,
                                 self.joined.relay.forward(VersionFrames.of(req), self.buffers.runtime,
-                                                          0 if ring else None))
+                                                          RING_SLOTS - 1 if ring else None))
         try:
             receive.run()
         except (Unframed, DataPlaneError) as e:

@@ -45,7 +45,9 @@ class FramedReceive:
     ``base``: the committed version's buffers a delta bucket is rebuilt from (None: none usable; a
     delta then only adds a problem). ``ring``: device buffers a bucket lands in before it is copied
     to a host arena (NCCL into host staging). ``forward``: where each payload goes once it landed, to
-    the servers below this one (``protocol.relay``; made with ``in_flight=0`` where there is a ring).
+    the servers below this one (``protocol.relay``; where there is a ring, made with ``in_flight`` one
+    less than its slots: payload i is received into a slot only once the forward of payload i - 2,
+    which held that slot, is done, while the forward of payload i - 1 still runs).
 
     Contract: ``run`` returns once every payload is in place, or raises ``Unframed`` or
     ``DataPlaneError``: the caller must then leave the groups (their collectives are out of step).

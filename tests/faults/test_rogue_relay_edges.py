@@ -4,10 +4,13 @@ an exit) what no honest relay sends. gloo aborts a process that is sent more tha
 gloo edge was therefore never safe against its upper end; a stream edge is read with bounded,
 checked reads (``protocol.stream``). Whatever arrives, no server dies: each refuses the version (409
 naming the frame, or 503 for a stream that ended or stalled), keeps serving the same weights and
-tokens, and takes a valid version afterwards, bit-exact, through a real trainer's relay."""
+tokens, and takes a valid version afterwards, bit-exact, through a real trainer's relay. A rogue
+that forges a tensor and recomputes every checksum it can is refused at /end by the trainer's
+digests."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Iterator
@@ -17,7 +20,11 @@ import pytest
 import torch
 
 from asyncsync.config import WeightSyncConfig
+from asyncsync.launch.http import http_call
+from asyncsync.protocol.checksum import bucket_crc
+from asyncsync.protocol.digest import NOT_PUBLISHED, bucket_digest
 from asyncsync.protocol.frames import FrameHeader, VersionFrames
+from asyncsync.protocol.wire import EndRequest
 from asyncsync.testing import RogueRelay, ServerProcess, mixed_dtype_model, version_of
 
 from conftest import TINY
@@ -85,6 +92,38 @@ def test_no_lie_of_the_server_above_kills_a_server_below_and_each_refuses_the_ve
         assert status == 409 and f"version {version} rejected before its payload" in body["error"], body
     print(f"{lie}: refused in {took:.2f} s; above: {body['error'][:140]}; below: {answers[chain[1].url][1]['error'][:90]}")
     assert took < 3 * DEADLINE_S + 5, "a lie is refused by the frame's deadline at the latest"
+    assert served(chain) == before, "a server's weights or greedy tokens changed"
+    takes_a_valid_version_down_a_real_relay(chain, version + 1)
+
+
+def test_a_forged_tensor_whose_every_checksum_the_rogue_recomputed_is_committed_by_no_server_below(chain):
+    """The rogue changes one tensor of bucket 0 and sends, framed and sealed for the edge, the CRC32C
+    manifest of what it sent: every check a server below can make of its own passes (each answers its
+    /update 200, and each relays what it got). The trainer's digests, which each server gets with /end
+    over its own control channel, are the published bytes': both servers refuse the version naming it,
+    and serve on unchanged."""
+    before = served(chain)
+    version = before[0][0]["version"] + 1
+    named = weights(mixed_dtype_model(TINY), version)
+    names = set(chain[0].get("/weights/names")["names"])
+    request, flat = version_of(named, names, version, deadline_s=DEADLINE_S, checksum=True)
+    request = dataclasses.replace(request, digest=True)
+    published = tuple(bucket_digest(b) for b in flat)
+    forged = [flat[0].clone(), *flat[1:]]
+    forged[0][:4] ^= 0x5A
+    manifest = torch.tensor([bucket_crc(b) for b in forged], dtype=torch.int64)
+    rogue = RogueRelay([s.url for s in chain])
+    try:
+        frames = VersionFrames.of(request)
+        payloads = [*forged, manifest]
+        sends = [t for i, p in enumerate(payloads) for t in (rogue.edge.seal.tensor(frames.header(i, p)), p)]
+        answers = rogue.send(request, sends)
+        assert all(status == 200 for status, _ in answers.values()), answers
+        ends = {s.url: http_call(s.url, "POST", "/end", EndRequest(version, published).to_json()) for s in chain}
+    finally:
+        rogue.close()
+    for url, (status, body) in ends.items():
+        assert status == 409 and NOT_PUBLISHED in body["error"] and "bucket(s) [0]" in body["error"], (url, body)
     assert served(chain) == before, "a server's weights or greedy tokens changed"
     takes_a_valid_version_down_a_real_relay(chain, version + 1)
 

@@ -67,6 +67,12 @@ def build(family: str) -> torch.nn.Module:
 PUBLISHED_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM"}
 
 
+# The vLLM arguments a family's float32 tiny model needs on any CPU: vLLM picks its AMX MLA kernels where
+# the CPU has AMX, and they refuse float32 weights at load ("expect weight to be bfloat16, float16,
+# ..."); its reference CPU MLA takes them everywhere.
+VLLM_ARGS = {"deepseek_v2": ("--attention-backend", "CPU_MLA"), "deepseek_v3": ("--attention-backend", "CPU_MLA")}
+
+
 def save(family: str, model_dir: Path) -> None:
     """``family``'s tiny model saved with ``save_pretrained``, its config as the published checkpoint's."""
     build(family).save_pretrained(model_dir)

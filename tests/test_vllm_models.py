@@ -22,7 +22,7 @@ import torch
 from asyncsync import WeightSync
 from asyncsync.config import ConfigError
 from asyncsync.models import generate
-from asyncsync.families import FAMILIES, build, load, save
+from asyncsync.families import FAMILIES, VLLM_ARGS, build, load, save
 from asyncsync.protocol.specs import LAYOUT_REFUSED
 from asyncsync.launch.vllm import VllmServer
 
@@ -58,7 +58,7 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     family = request.param
     model_dir = tmp_path_factory.mktemp(family)
     save(family, model_dir)
-    server = VllmServer(model_dir, model_dir / "vllm.log")
+    server = VllmServer(model_dir, model_dir / "vllm.log", args=VLLM_ARGS.get(family, ()))
     try:
         server.wait_healthy()
         yield server, model_dir, family
@@ -109,7 +109,7 @@ def test_every_family_serves_every_version_as_the_trainer_decodes_it(family_serv
     if family in VLLM_DIFFERS:
         assert errors and all("computes other log-probabilities than the trainer" in e for e in errors)
         trainer.save_pretrained(tmp_path)  # the same weights as a checkpoint, served by a stock vLLM
-        with VllmServer(tmp_path, tmp_path / "vllm.log", backend=None) as stock:
+        with VllmServer(tmp_path, tmp_path / "vllm.log", args=VLLM_ARGS.get(family, ()), backend=None) as stock:
             stock.wait_healthy()
             assert served_tokens(stock.url)[0] == tokens, "asyncsync serves what vLLM serves for these weights"
         assert tokens != generate(trainer, PROMPT, 16)[0], "and vLLM's model computes otherwise than transformers'"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncsync import WeightSync
-from asyncsync.families import load, save
+from asyncsync.families import VLLM_ARGS, load, save
 from asyncsync.launch.vllm import VllmServer
 
 from test_vllm_models import config, perturb
@@ -97,9 +97,7 @@ def test_the_default_config_reports_a_family_vllm_computes_otherwise(tmp_path: P
     pytest.importorskip("vllm", reason="vllm is not installed here: run scripts/test_vllm.sh")
     save("deepseek_v2", tmp_path / "model")
     trainer = load(tmp_path / "model")
-    # vLLM picks its AMX MLA kernels where the CPU has AMX, and they refuse float32 weights at load
-    # ("expect weight to be bfloat16, float16, ..."): its reference CPU MLA takes them on any CPU
-    with VllmServer(tmp_path / "model", tmp_path / "vllm.log", args=("--attention-backend", "CPU_MLA")) as server:
+    with VllmServer(tmp_path / "model", tmp_path / "vllm.log", args=VLLM_ARGS["deepseek_v2"]) as server:
         server.wait_healthy()
         with WeightSync.from_config(config(server.url)) as sync:  # verify: auto, verify_every: 10
             sync.connect(trainer)

@@ -112,7 +112,7 @@ def modes(model: torch.nn.Module) -> dict[str, bool]:
     return {name: m.training for name, m in model.named_modules()}
 
 
-@pytest.mark.parametrize("case", ["dropout-async", "phimoe-blocking"])
+@pytest.mark.parametrize("case", [pytest.param("dropout-async", marks=pytest.mark.slow), "phimoe-blocking"])
 def test_dropout_and_a_stochastic_router_give_no_false_divergence(case):
     """A trainer holding its module in training mode, where two forwards of the same tokens differ
     (dropout; PhiMoE's sampled routing), against a reference server serving the same bytes: the probe
@@ -205,7 +205,7 @@ def trainer_scores(monkeypatch) -> list[int]:
     return scored
 
 
-@pytest.mark.parametrize("async_mode", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("async_mode", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["blocking", "async"])
 def test_the_default_checks_after_the_first_version_then_every_verify_every(async_mode, trainer_scores):
     """Servers started from other weights than the trainer's (another seed): with the default config
     nothing is checked, nor reported, at connect; the first version is, then every ``verify_every``."""
@@ -249,6 +249,7 @@ def test_the_default_reports_a_family_a_server_computes_otherwise(trainer_scores
     assert trainer_scores == [1]
 
 
+@pytest.mark.slow
 def test_a_server_readmitted_after_a_divergence_is_checked_at_once(trainer_scores):
     """``on_divergence: evict`` with the default schedule (every 10 versions): the diverged server is
     evicted, readmitted once it answers, and checked again at the version it rejoined with (blocking),
@@ -272,6 +273,7 @@ def test_a_server_readmitted_after_a_divergence_is_checked_at_once(trainer_score
     assert [e for e in sync.events if e.server == good.url] == []
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_score_keeps_the_default_quiet(caplog, trainer_scores):
     """A server whose engine has no prompt log-probabilities (here the reference server addressed as
     SGLang: its /generate is not SGLang's) with the default config: one log line, no error, no event,

@@ -26,6 +26,8 @@ from asyncsync.testing import ServerProcess, http_call, mixed_dtype_model
 from conftest import TINY
 from helpers import Trainer, digest, listening_addresses, weights
 
+pytestmark = pytest.mark.slow  # three reference servers and a relay chain per module: ~20 s on 2 cores
+
 DEADLINES = {"rendezvous_s": 6.0, "collective_s": 6.0, "http_s": 20.0}
 
 

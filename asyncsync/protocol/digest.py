@@ -7,8 +7,8 @@ above it, so a relaying server that is compromised, or buggy in a self-consisten
 every server below it commit bytes the trainer never published. The digests do not travel that way:
 the trainer hashes every bucket it sends (BLAKE3, 256 bits: no second preimage is known) and sends
 each server the list over that server's own token-checked control channel, with ``end``. BLAKE3,
-from the ``blake3`` package (SIMD; it frees the GIL), hashes at about 3x SHA-256 and 7x BLAKE2b per
-core here, so a receiver keeps up with an 8-25 gbit/s link on one core (``benchmarks/digest.py``).
+from the ``blake3`` package (SIMD; it frees the GIL), hashes 4.4 GB/s per core here, 3.5x SHA-256 and
+9x BLAKE2b, so a receiver keeps up with a 25 gbit/s link on one core (``benchmarks/digest.py``).
 A receiver hashes every bucket as it lands (the rebuilt bucket of a delta: the bytes it would
 serve), and commits a version only when every digest is the trainer's::
 

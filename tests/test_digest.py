@@ -17,6 +17,7 @@ from asyncsync import WeightSync, WeightSyncConfig
 from asyncsync.protocol.checksum import bucket_crc
 from asyncsync.protocol.digest import NOT_PUBLISHED, bucket_digest, digest_problems
 from asyncsync.protocol.relay import Forward
+from asyncsync.protocol.staging import StagedVersion
 from asyncsync.receivers.reference.app import ReferenceServer
 from asyncsync.testing import mixed_dtype_model
 
@@ -36,6 +37,19 @@ def test_a_bucket_digest_is_blake3_of_its_bytes_and_any_difference_is_named():
     assert "bucket(s) [1] of version 4" in problem and NOT_PUBLISHED in problem
     assert "carried none" in digest_problems(ours, (), 4)[0]
     assert "2 digest(s) for the 1 bucket(s)" in digest_problems(ours[:1], ours, 4)[0]
+
+
+def test_a_version_no_way_in_hashed_is_hashed_when_end_carries_digests():
+    """A staged version that was not hashed as it landed (a shared-memory one) is checked when ``end``
+    carries the trainer's digests: it fails closed, never passes for lack of its own digests."""
+    buffers = (torch.arange(64, dtype=torch.uint8), torch.arange(32, dtype=torch.uint8))
+    staged = StagedVersion(5, buffers, (), ())
+    published = tuple(bucket_digest(b) for b in buffers)
+    assert staged.unpublished(()) == [], "announced and ended without digests: nothing to compare"
+    assert staged.unpublished(published) == []
+    other = (published[0], bucket_digest(torch.zeros(32, dtype=torch.uint8)))
+    (problem,) = staged.unpublished(other)
+    assert "bucket(s) [1] of version 5" in problem and NOT_PUBLISHED in problem
 
 
 class Forging(Forward):

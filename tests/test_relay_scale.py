@@ -371,6 +371,35 @@ def test_a_ring_relay_waits_for_a_forward_only_when_its_slot_is_received_into_ag
     assert sorted(waited) == [1, 2, 3, 4]
 
 
+def test_a_dead_child_holds_no_sibling_edge_from_forming():
+    """An upper server with two children, the first dead (it never joins its edge): the edges are
+    joined at once, so the live child's forms while its listener is up, and the dead one's is left
+    out by its deadline (not raised: the upper server's own join stands). Joined one after another,
+    the live child's listener had closed by the time the upper got to it (review: findings 1-2)."""
+    from asyncsync.protocol.group import serve_store
+    from asyncsync.protocol.keys import new_key
+    from asyncsync.protocol.stream import StreamEdge
+
+    store = serve_store("127.0.0.1", 0, 10.0)
+    specs = [GroupSpec("127.0.0.1", store.port, 2, f"edge.{i}", "stream", 2.0, key=new_key()) for i in range(2)]
+    below: list[Any] = []
+    live = threading.Thread(target=lambda: below.append(StreamEdge.join(specs[1], 1, HostRuntime())))
+    live.start()
+    edges = protocol_relay.Edges()
+    t0 = time.monotonic()
+    try:
+        failed = edges.join(specs, HostRuntime())
+        took = time.monotonic() - t0
+        live.join(10)
+        assert len(below) == 1 and len(edges.groups) == 1, "the live child's edge formed"
+        assert len(failed) == 1 and failed[0].startswith("edge.0: "), failed
+        assert took < 6.0, f"the dead child's edge was left out by its deadline, not held: {took:.1f} s"
+    finally:
+        edges.close(broken=True)
+        for edge in below:
+            edge.close()
+
+
 # -- a chain whose every hop is slow: whole versions, no repair -------------------------------------
 
 HOP_S = 0.4

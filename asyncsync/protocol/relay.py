@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -175,16 +176,24 @@ class Edges:
         ``abandoner`` gave up (a newer ``init_group``) still raises. Returns why each edge left out
         failed."""
         abandoned = abandoner.watch() if abandoner is not None else (lambda: False)
-        failed = []
-        for spec in specs:
+        # Streams are joined at once, each on a thread: one dead child must not outlast a sibling's
+        # listener. Process groups (NCCL) one after another: c10d's group registry is not thread-safe.
+        at_once = len(specs) if all(spec.backend == "stream" for spec in specs) else 1
+        with ThreadPoolExecutor(max(1, at_once), thread_name_prefix="asyncsync-edge-join") as pool:
+            joins = [pool.submit(join_member, spec, 0, runtime, warmup, abandoner, hosts_store=False) for spec in specs]
+        failed, gave_up = [], None
+        for spec, join in zip(specs, joins):
             try:
-                self.groups.append(join_member(spec, 0, runtime, warmup, abandoner, hosts_store=False))
+                self.groups.append(join.result())
             except DataPlaneError as e:
                 if abandoned():
-                    raise
+                    gave_up = gave_up or e
+                    continue
                 failed.append(f"{spec.group_name}: {e}")
                 log.warning("relay edge %s left out: %s (the server below is planned below another)",
                             spec.group_name, e)
+        if gave_up is not None:
+            raise gave_up  # the edges that did form are in self.groups: the caller's leave closes them
         return failed
 
     def forward(self, frames: VersionFrames, runtime: Runtime, in_flight: int | None = None) -> Forward:

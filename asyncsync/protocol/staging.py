@@ -19,7 +19,7 @@ import torch
 
 from asyncsync.protocol.arena import Arena, DeviceRing, HostArena
 from asyncsync.protocol.device import Runtime
-from asyncsync.protocol.digest import digest_problems
+from asyncsync.protocol.digest import bucket_digest, digest_problems
 from asyncsync.protocol.specs import Bucket, unpack
 from asyncsync.protocol.wire import BucketMeta
 
@@ -47,8 +47,12 @@ class StagedVersion:
 
     def unpublished(self, expected: tuple[str, ...]) -> list[str]:
         """Why these bytes are not the version the trainer published (``expected``: its digests, from
-        ``end``); empty when they are, or when the version was announced without digests."""
-        return [] if self.digests is None else digest_problems(self.digests, expected, self.version)
+        ``end``); empty when they are, or when neither the announcement nor ``end`` carried digests.
+        A version hashed on no way in (a shared-memory one) is hashed now when ``end`` carries them."""
+        if self.digests is None and not expected:
+            return []
+        digests = self.digests if self.digests is not None else tuple(bucket_digest(b) for b in self.buffers)
+        return digest_problems(digests, expected, self.version)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor's view, in broadcast order."""

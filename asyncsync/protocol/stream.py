@@ -225,12 +225,16 @@ def _rendezvous(spec: GroupSpec, rank: int, stop: threading.Event) -> tuple[sock
     give_up = time.monotonic() + spec.timeout_s
     store, _held = namespaced(spec, store_for(spec, master=False))  # _held: alive while the store is used
     proof = Proof(bytes.fromhex(spec.key), spec.group_name.encode())
-    if rank == 1:
-        return _listen(spec, store, proof, give_up, stop)
     try:
+        if rank == 1:
+            return _listen(spec, store, proof, give_up, stop)
         host, _, port = store.get(_ADDRESS).decode().rpartition(":")
+    except DataPlaneError:
+        raise
     except Forged as e:
         raise DataPlaneError(f"edge '{spec.group_name}': {e}") from None
+    except Exception as e:  # torch's store errors: DistStoreError (its wait timed out), DistNetworkError
+        raise DataPlaneError(f"edge '{spec.group_name}': the trainer's rendezvous store failed: {e}") from None
     return _connect(spec, (host.strip("[]"), int(port)), proof, give_up)
 
 

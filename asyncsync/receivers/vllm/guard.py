@@ -225,7 +225,7 @@ class PauseGuard:
             if not self.armed or self._busy or self.api is None or self.probe is None or \
                     time.monotonic() - self._ended < self.settle_s:
                 return
-            api, probe, finished = self.api, self.probe, self.finished
+            api, probe, finished, ended = self.api, self.probe, self.finished, self._ended
         paused = api.is_paused()
         if paused is None:
             return
@@ -237,8 +237,8 @@ class PauseGuard:
         if state == "alive":
             return
         with self._lock:
-            if self._busy or not self.armed:  # the trainer spoke meanwhile: it decides
-                return
+            if self._busy or not self.armed or self.probe is not probe or self._ended != ended:
+                return  # a trainer (this one, or a new one that joined) spoke meanwhile: it decides
         why = "refuses connections (it died)" if state == "dead" else f"has not answered for {probe.hung_s:.0f}s (it hangs)"
         log.warning("asyncsync: the engine was left paused and its trainer's store %s:%d %s: resuming generation",
                     probe.host, probe.port, why)

@@ -44,6 +44,19 @@ def mixed_state(worker: Any) -> str | None:
     return getattr(agreement, "mixed", None)
 
 
+def _release_if_whole(core: Any, rpc: Any, timeout: float | None) -> None:
+    """After a finish that succeeded: end the hold if no worker is mixed. A question that fails keeps
+    the hold (the finish's own success stands: it is not reported as failed)."""
+    try:
+        mixed = any(rpc(core, mixed_state, timeout))
+    except Exception:
+        log.exception("asyncsync: could not ask the workers whether they are still mixed; the engine stays held")
+        return
+    if not mixed:
+        del _HELD[id(core)]
+        log.warning("asyncsync: every worker holds one whole version again: the engine serves requests")
+
+
 def held(core: Any) -> str | None:
     return _HELD.get(id(core))
 
@@ -65,9 +78,8 @@ def install() -> None:
             if MIXED in str(e):
                 _hold(self, str(e))
             raise
-        if method == "finish_weight_update" and id(self) in _HELD and not any(rpc(self, mixed_state, timeout)):
-            del _HELD[id(self)]
-            log.warning("asyncsync: every worker holds one whole version again: the engine serves requests")
+        if method == "finish_weight_update" and id(self) in _HELD:
+            _release_if_whole(self, rpc, timeout)
         return result
 
     def add_request(self: Any, request: Any, request_wave: int = 0) -> Any:

@@ -220,15 +220,21 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def _receive(self, request: UpdateRequest) -> None:
         self._refuse_while_pending(f"version {request.version}")
-        if request.digest and request.receive != "background":
-            raise VersionRejected(f"version {request.version} rejected: it is checked against the trainer's digests, "
-                                  "which come after the transfer: receive it in the background (receive: background)")
+        self._refuse_digests_in_rpc(request)
         if request.receive == "background":
             self._led(lambda: self.background.start(request, self.version))  # raises VersionRejected if one is in flight
             self.pending = request
             return
         self._load_whole(request.version, lambda: self._staged(request, lambda: self.receive_weights(request)))
         torch.accelerator.synchronize()  # as vLLM's base class: the next step uses the new weights
+
+    @staticmethod
+    def _refuse_digests_in_rpc(request: UpdateRequest) -> None:
+        """The digests come with the commit, after the transfer: a version checked against them is
+        received in the background, never applied inside the RPC that receives it."""
+        if request.digest and request.receive != "background":
+            raise VersionRejected(f"version {request.version} rejected: it is checked against the trainer's digests, "
+                                  "which come after the transfer: receive it in the background (receive: background)")
 
     def receive_weights(self, update_info: UpdateRequest) -> StagedVersion:  # type: ignore[override]
         """Receive and verify a version here (the data plane, or a same-host trainer's shared memory
@@ -260,9 +266,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
 
     def _receive_adapter(self, update: AdapterUpdate) -> None:
         """An adapter version: received and verified like any (``background``: on the worker thread,
-        written at finish), then written as a PEFT directory by the writer, never loaded here. With
+        written at the commit), then written as a PEFT directory by the writer, never loaded here. With
         host staging only the stager receives it (it is the writer); its peers share its outcome."""
         self._refuse_while_pending(f"adapter version {update.update.version}")
+        self._refuse_digests_in_rpc(update.update)
         if update.update.receive == "background":
             self._led(lambda: self._start_adapter(update))
             self.pending = update
@@ -327,10 +334,10 @@ class AsyncsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-
         return pending.update.version if isinstance(pending, AdapterUpdate) else pending.version
 
     def drain_pending(self) -> None:
-        """vLLM's hook for callers that run the update's tail themselves: load what is pending."""
-        busy = self._pending_version()
-        if busy is not None:
-            self._commit(CommitRequest(busy))
+        """vLLM's hook for callers that run the update's tail themselves: nothing to do. A version
+        received in the background is applied only by the trainer's authenticated ``CommitRequest``,
+        which loads it before its ``update_weights`` returns; this hook (reachable without the
+        trainer's credential) never loads one."""
 
     def _load_whole(self, version: int, stage: Callable[[], StagedVersion]) -> None:
         """Stage ``version`` and load it on every worker of the engine, or on none: each step's outcome

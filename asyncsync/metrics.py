@@ -20,6 +20,7 @@ class SyncResult:
     buckets: int
     snapshot_s: float = 0.0  # copy of the parameters into packed buffers (async mode)
     pack_s: float = 0.0      # packing into the ring buffers (blocking mode)
+    begin_s: float = 0.0     # waiting for the servers to begin (a pause lets the requests in flight finish)
     wire_s: float = 0.0      # broadcasts, from the first posted to the last finished
     apply_s: float = 0.0     # waiting for the servers to verify and swap in
     total_s: float = 0.0

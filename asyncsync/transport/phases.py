@@ -2,6 +2,7 @@
 
     phases = Phases(kind, http_s, buckets, ends_early, digested)
     future = control.submit(phases.begin_and_update(engine, request))   # before the first broadcast
+    phases.until_begun({url: future}, engines)                          # every server can receive now
     ...the data path...; phases.digested_as(digests)                  # the trainer's digests of what it sent
     answers = collect({url: future}, phases.update_s(engines))          # after the last one
     served = await phases.end(engine, version)
@@ -10,7 +11,10 @@ Each phase has its own deadline, ``engine.calls(phase, buckets) x http_s`` (vLLM
 calls with its pause, SGLang's ``update`` one per bucket), and a relayed server's ``update`` and
 ``end`` also the time the version takes to reach it below its tree's root (``reach``:
 ``transport.relay.reach_s``), so a deep server is not given up on for its depth; each deadline is
-enforced inside the control loop; a phase
+enforced inside the control loop. The first broadcast waits for every server's ``begin``
+(``until_begun``): a server that pauses lets the requests in flight finish first (vLLM's
+``mode=wait``, SGLang's pause), and until then it is not receiving, which no broadcast deadline may
+count (``transport.pace`` measures the wire, not a server's last requests). A phase
 that fails or misses it is followed by ``abort`` (resume generation, close an update session), so no
 server is left paused. A server in ``ends_early`` (a relayed one) is sent ``end`` as soon as its
 ``update`` answered: it serves the version then, not once the slowest server received it. A server in
@@ -50,6 +54,7 @@ class Phases:
         # When each server's update answered yes, for a relay's slow hops (not background receivers).
         self.received: dict[str, float] = {}
         self.ended: dict[str, Any] = {}  # ``end``'s answer (or failure) of the servers that ended early
+        self._begun: dict[str, concurrent.futures.Future[None]] = {}
 
     def deadline(self, e: UpdateTarget, phase: Phase) -> float:
         later = self.reach.get(e.url, 0.0) if phase in ("update", "end") else 0.0
@@ -66,9 +71,25 @@ class Phases:
     def abort_s(self, engines: Sequence[UpdateTarget]) -> float:
         return max((self.deadline(e, "abort") for e in engines), default=0.0)
 
+    def begun(self, url: str) -> concurrent.futures.Future[None]:
+        """Done once ``url``'s ``begin`` answered yes (never set when it failed)."""
+        return self._begun.setdefault(url, concurrent.futures.Future())
+
+    def until_begun(self, posted: Mapping[str, concurrent.futures.Future[Any]], engines: Sequence[UpdateTarget]) -> None:
+        """Returns once each server of ``posted`` has begun, or its ``begin_and_update`` ended (a
+        failed ``begin``, aborted: the data path sees an answer before its data and stops before the
+        first bucket). Each ``begin`` and ``abort`` has its own deadline, so this wait only guards
+        against a bug."""
+        give_up = time.monotonic() + max((self.deadline(e, "begin") + self.deadline(e, "abort") for e in engines),
+                                         default=0.0) + SLACK_S
+        for url, future in posted.items():
+            concurrent.futures.wait((self.begun(url), future), max(0.0, give_up - time.monotonic()),
+                                    concurrent.futures.FIRST_COMPLETED)
+
     async def begin_and_update(self, e: UpdateTarget, request: UpdateRequest) -> None:
         try:
             await within(e.url, self.kind.begin(e, request.version), self.deadline(e, "begin"), "begin")
+            self.begun(e.url).set_result(None)
             await within(e.url, self.kind.update(e, request), self.deadline(e, "update"), "update")
             if self.kind.relayed and not e.receives_in_background:  # its answer says when the version reached it
                 self.received[e.url] = time.perf_counter()

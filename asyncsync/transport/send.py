@@ -16,8 +16,9 @@ runs, on rank 0 (a sharded trainer's other ranks follow with ``transport.datapat
 
 Each HTTP phase has its own deadline (``transport.phases``); nothing raises for a server's failure: it
 is in ``result.failures`` and in the metrics' events (``evicted`` for a server that gave no answer,
-``refused`` for one that answered no). No collective ever waits on an HTTP answer: ``update`` is
-posted before the first broadcast and collected after the last.
+``refused`` for one that answered no). The first broadcast waits for every server's ``begin`` (a
+pausing server lets its requests in flight finish: ``Phases.until_begun``); no collective waits on
+an ``update`` answer: it is posted before the first broadcast and collected after the last.
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
     phases = Phases(fleet.kind, fleet.config.deadlines.http_s, len(announcement.plan.buckets), announcement.ends_early,
                     announcement.reach, announcement.digested)
     posted = {e.url: control.submit(phases.begin_and_update(e, announcement.requests[e.url])) for e in to}
+    begun_from = time.perf_counter()
+    phases.until_begun(posted, to)
+    result.begin_s += time.perf_counter() - begun_from
     try:
         broken, digests = data_path(fleet, announcement, source, result, posted)
     except TrainerRankLost:  # every server's update fails with the dropped group
@@ -254,7 +258,7 @@ def data_path(fleet: Fleet, announcement: Announcement, source: BucketSource, re
         result.wire_bytes += sum(announcement.sizes)
         result.delta_base = announcement.delta.base if announcement.delta else None
         result.delta_buckets = sum(1 for n in announcement.delta.nbytes if n) if announcement.delta else 0
-    result.wire_s = time.perf_counter() - result.send_started - result.pack_s  # a repair's included
+    result.wire_s = time.perf_counter() - result.send_started - result.pack_s - result.begin_s  # a repair's included
     if broken is not None:
         fleet.epochs.drop(broken=True)
     elif epoch.group is not None:

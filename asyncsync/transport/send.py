@@ -7,8 +7,9 @@ runs, on rank 0 (a sharded trainer's other ranks follow with ``transport.datapat
     fleet.epochs.start_version()                             # expelled out, parked back, evicted probed
     announcement = announce(fleet, version, plan, source, result)   # frozen: the request of each server,
                                                              # frames, sizes, deadlines, deltas, who ends early
-    delivery = deliver(fleet, announcement, source, result)  # begin + update posted, the data path, every
-                                                             # answer collected, ``end`` to those that took it
+    delivery = deliver(fleet, announcement, source, result)  # begin + update posted, every server begun, the
+                                                             # other ranks told, the data path, every answer
+                                                             # collected, ``end`` to those that took it
     reform = record(fleet, announcement, delivery, result)   # the book's transitions: took, refused, unreachable
     repair = announcement.whole(missed)                      # with a relay: the servers a failed hop left
     deliver(fleet, repair, source, result)                   # without it get it again, whole, once
@@ -161,7 +162,6 @@ def send_version(fleet: Fleet, plan: BucketPlan, version: int, source: BucketSou
         fleet.ranks.from_leader(Version(None))  # no server to send to: the other ranks skip it too
         result.failures.update(fleet.book.evicted())
         return done(fleet, result, [], None)
-    fleet.ranks.from_leader(Version(announcement.for_ranks()))
     delivery = deliver(fleet, announcement, source, result)
     reform = record(fleet, announcement, delivery, result)
     repair = to_send_again(fleet, announcement, reform, result)
@@ -204,8 +204,9 @@ def announce(fleet: Fleet, version: int, plan: BucketPlan, source: BucketSource,
 
 
 def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, result: SyncResult) -> Delivery:
-    """``begin`` and ``update`` posted to every server of the announcement, the data path (every
-    bucket, then the checksum manifest), every ``update`` answer collected, then ``end`` to each
+    """``begin`` and ``update`` posted to every server of the announcement; once every server has
+    begun, the other trainer ranks hear the version's plan and the data path runs (every bucket,
+    then the checksum manifest); every ``update`` answer collected, then ``end`` to each
     server that took the version. A version the trainer abandoned half-way (``PackFailed``) raises
     its cause here (``abandon``)."""
     control, to = fleet.control, announcement.to
@@ -216,8 +217,12 @@ def deliver(fleet: Fleet, announcement: Announcement, source: BucketSource, resu
     phases.until_begun(posted, to)
     result.begin_s += time.perf_counter() - begun_from
     try:
+        # The other ranks broadcast the buckets they own from now on (a repair, only ever a single
+        # process's, tells no one).
+        fleet.ranks.from_leader(Version(announcement.for_ranks()))
         broken, digests = data_path(fleet, announcement, source, result, posted)
     except TrainerRankLost:  # every server's update fails with the dropped group
+        fleet.epochs.drop(broken=True)
         phases.digested_as(())
         collect(posted, phases.update_s(to))
         raise
@@ -236,7 +241,7 @@ def data_path(fleet: Fleet, announcement: Announcement, source: BucketSource, re
               posted: dict[str, Any]) -> tuple[str | PackFailed | None, tuple[str, ...]]:
     """Every bucket and the manifest (not for servers on shared memory: they know where the version
     is); what broke (None: nothing) and, with ``digest``, every bucket's digest. Another trainer
-    rank gone: ``TrainerRankLost``, the group dropped."""
+    rank gone: ``TrainerRankLost`` (``deliver`` drops the group)."""
     epoch, ranks = fleet.epochs.current, fleet.ranks
     broken: str | PackFailed | None = None
     digests: tuple[str, ...] = ()
@@ -244,17 +249,13 @@ def data_path(fleet: Fleet, announcement: Announcement, source: BucketSource, re
         relayed = epoch.relayed()  # their answers say nothing of the trainer's own broadcasts
         wired = {u: f for u, f in posted.items() if u not in epoch.shared and u not in relayed}
         background = frozenset(e.url for e in announcement.to if e.receives_in_background)
-        try:
-            broken, crcs, hashed = DataPath(epoch.group, ranks, announcement.plan, source, result,
-                                            announcement.deadlines, announcement.frames,
-                                            wired if ranks.world == 1 else None, background, announcement.delta,
-                                            announcement.request.digest).run()
-            broken, digests = finish_data_path(ranks, epoch.group, announcement.plan, broken, crcs, hashed,
-                                               announcement.deadlines, announcement.frames, fleet.config.checksum,
-                                               epoch.number)
-        except TrainerRankLost:
-            fleet.epochs.drop(broken=True)
-            raise
+        broken, crcs, hashed = DataPath(epoch.group, ranks, announcement.plan, source, result,
+                                        announcement.deadlines, announcement.frames,
+                                        wired if ranks.world == 1 else None, background, announcement.delta,
+                                        announcement.request.digest).run()
+        broken, digests = finish_data_path(ranks, epoch.group, announcement.plan, broken, crcs, hashed,
+                                           announcement.deadlines, announcement.frames, fleet.config.checksum,
+                                           epoch.number)
         result.wire_bytes += sum(announcement.sizes)
         result.delta_base = announcement.delta.base if announcement.delta else None
         result.delta_buckets = sum(1 for n in announcement.delta.nbytes if n) if announcement.delta else 0

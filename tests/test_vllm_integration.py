@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -423,6 +424,20 @@ def test_every_rollout_is_generated_by_the_one_version_it_reports(vllm_server):
         assert gen.completions[0] == expected[gen.version][which], f"version {gen.version}: tokens of another version"
 
 
+def running_within(url: str, n: int, within_s: float) -> None:
+    """Returns once vLLM reports ``n`` requests running (its Prometheus gauge), polled every 20 ms."""
+    give_up = time.monotonic() + within_s
+    running = 0.0
+    while time.monotonic() < give_up:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        running = sum(float(m) for m in re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M))
+        if running >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"vLLM ran {running:g} requests, not {n}, within {within_s}s")
+
+
 def test_the_first_bucket_waits_for_a_pause_that_lets_long_requests_finish(vllm_server):
     """With ``receive: in_rpc`` and ``pause``, vLLM's pause (``mode=wait``) lets the requests in flight
     finish before its update RPC receives anything. Two 500-token requests (longer than the 0.5 s
@@ -454,7 +469,7 @@ def test_the_first_bucket_waits_for_a_pause_that_lets_long_requests_finish(vllm_
         thread = threading.Thread(target=lambda: asyncio.run(long_requests()), daemon=True)
         thread.start()
         try:
-            time.sleep(0.4)  # both requests are running (each takes about 1.8 s here)
+            running_within(url, len(prompts), 30.0)  # both are being generated (each takes about 1.8 s here)
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,27 @@ class FlipNextBucket:
             return buf
 
         monkeypatch.setattr(PackOnDemand, "bucket", bucket)
+
+
+class HoldFirstSend:
+    """Once armed, the first bucket a sender reads of a snapshot (async mode; whole or as a delta) waits
+    until ``release``: the trainer reaches its next boundaries while that version is on the wire, so
+    the versions it publishes meanwhile are superseded, however fast the wire."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.armed = False
+        self.release = threading.Event()
+        for name in ("bucket", "delta"):
+            original = getattr(Prepacked, name)
+            monkeypatch.setattr(Prepacked, name, self._held(original))
+
+    def _held(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(source: Prepacked, bucket: Bucket) -> Any:
+            if self.armed:
+                self.armed = False
+                self.release.wait(60)  # bounded: the sequence releases it
+            return original(source, bucket)
+        return read
 
 
 class CorruptNextDelta:
@@ -190,15 +212,22 @@ def run_fault_sequence(config: dict[str, Any], trainer: torch.nn.Module, version
     die_mid_version({**config, "delta": "off"}, model, version + 1)
     serves("after a trainer died half-way through a version", version)
 
-    # Versions published back to back in async mode: superseded ones are never sent, the newest is live.
+    # Versions published back to back in async mode while the first is on the wire: superseded ones
+    # are never sent, the newest is live.
+    hold = HoldFirstSend(monkeypatch)
     with WeightSync.from_config({**config, "async_weight_update": True}) as sync:
         sync.connect(trainer)
-        for _ in range(4):
-            version += 1
-            sync.wait_snapshot()
-            dense_step(trainer, version)
-            sync.publish(trainer, version)
+        hold.armed = True
+        try:
+            for _ in range(4):
+                version += 1
+                sync.wait_snapshot()
+                dense_step(trainer, version)
+                sync.publish(trainer, version)
+        finally:
+            hold.release.set()
         sync.close()
+    monkeypatch.undo()
     assert sync.errors == [] and sync.metrics.superseded > 0, (sync.errors, sync.metrics.superseded)
     sent = [r.version for r in sync.metrics.history if r.server_versions]
     assert sent == sorted(sent) and sent[-1] == version, sent

@@ -44,6 +44,7 @@ from asyncsync.transport.sources import BucketSource
 from asyncsync.launch.reference import ServerProcess
 
 from helpers import HoldAt, Trainer, digest
+from staging_faults import dense_step
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -448,9 +449,7 @@ def test_the_first_bucket_waits_for_a_slow_begin(vllm_server, monkeypatch):
             await asyncio.sleep(1.5)
 
         monkeypatch.setattr(VllmEngine, "begin", late_begin)
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
+        dense_step(trainer, 4, 0.5)
         result = sync.publish(trainer, version + 1)
         monkeypatch.undo()
     assert result.server_versions == {url: version + 1}, result.failures
